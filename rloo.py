@@ -35,6 +35,7 @@ import shutil
 import signal
 import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from typing import Literal, Optional
 
@@ -449,13 +450,14 @@ def load_reward_fn(spec, prompts):
         fn = getattr(importlib.import_module(module_name), function_name)
     except (ImportError, AttributeError, ValueError) as error:
         raise ArgumentError(f"--reward-fn {spec}: cannot import it ({error}); give module:function") from None
-    check_scores(fn(prompts[:2], ["hello", ""]), 2, spec)
+    if any(math.isnan(score) for score in check_scores(fn(prompts[:2], ["hello", ""]), 2, spec)):
+        raise ArgumentError(f"--reward-fn {spec} returned NaN for a test completion; it must return real numbers")
     return fn
 
 
 def check_scores(scores, count, spec):
-    """A reward function must give one real number per completion. NaN is caught here at start-up; a NaN later
-    in the run is left to the non-finite guard of the update."""
+    """A reward function must give one number per completion. NaN is refused at start-up (load_reward_fn); a
+    NaN later in the run is left to the non-finite guard of the update."""
     if not isinstance(scores, (list, tuple, torch.Tensor, np.ndarray)) or len(scores) != count:
         raise ArgumentError(f"--reward-fn {spec} must return {count} numbers, one per completion")
     try:
@@ -552,6 +554,7 @@ def checkpoint_dirs(output_dir):
 
 
 def main(args: Args):
+    warnings.filterwarnings("ignore", message=".*is deprecated. Please use `torch.distributed")  # DeepSpeed's calls
     from accelerate import Accelerator
     from accelerate.utils import DistributedType, InitProcessGroupKwargs
     from tqdm.auto import tqdm
@@ -654,8 +657,8 @@ def main(args: Args):
         kwargs_handlers=handlers,
     )
     device, is_main = accelerator.device, accelerator.is_main_process
-    zero3 = False
-    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+    zero3, deepspeed_engine = False, accelerator.distributed_type == DistributedType.DEEPSPEED
+    if deepspeed_engine:
         ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
         ds_config["train_micro_batch_size_per_gpu"] = args.per_device_train_batch_size
         ds_config["gradient_accumulation_steps"] = args.gradient_accumulation_steps
@@ -738,13 +741,12 @@ def main(args: Args):
     if is_main:
         print(f"{args.run_name}: {num_updates} updates of {batch_size} completions ({B} prompts x k={args.rloo_k} "
               f"per process, {accelerator.num_processes} processes) -> {args.output_dir}")  # fmt: skip
-    start_time = time.perf_counter()
+    start_time = previous_end = now()
     consecutive_skips, skipped_steps = 0, 0
     sample_every = max(1, num_updates // args.num_sample_generations) if args.num_sample_generations > 0 else 0
     print_every = max(1, num_updates // 20)
-    generated_tokens = 0
+    phase_totals = {"generation": 0.0, "scoring": 0.0, "training": 0.0, "other": 0.0, "tokens": 0.0}  # this session
     for update in tqdm(range(start_update, num_updates), disable=not is_main, initial=start_update, total=num_updates):
-        t0 = now()
         # linear decay to 0 over exactly num_updates updates
         lr = args.learning_rate * (1.0 - update / num_updates)
         for group in optimizer.param_groups:
@@ -759,6 +761,7 @@ def main(args: Args):
         # k-major: row i*B + j is sample i of prompt j, the layout rloo_advantages expects
         queries, query_mask = queries.repeat(args.rloo_k, 1).to(device), query_mask.repeat(args.rloo_k, 1).to(device)
         context_length = queries.shape[1]
+        t0 = now()
 
         # ---- 1. rollout: sample k completions per prompt
         policy.eval()  # no dropout anyway; eval lets generation use the KV cache under gradient checkpointing
@@ -778,7 +781,6 @@ def main(args: Args):
         responses, response_mask = responses[:, :T], response_mask[:, :T]  # (k*B, T)
         query_responses = torch.cat([queries, responses], 1)  # (k*B, P + T)
         attention_mask = torch.cat([query_mask, response_mask.long()], 1)
-        generated_tokens += int(response_mask.sum())
         t1 = now()
 
         # ---- 3. log-probs under the policy (the "old" log-probs of the update) and the reference, and 4. the score
@@ -857,12 +859,13 @@ def main(args: Args):
                                                                  context_length, args.temperature, with_entropy=True)  # fmt: skip
                         mask = response_mask[rows]
                         loss, clipfrac = policy_loss(new_logprobs, old_logprobs[rows], advantages[rows], mask, args.cliprange)
-                        accelerator.backward(loss)
-                        grad_norm = accelerator.clip_grad_norm_(policy.parameters(), args.max_grad_norm) if accelerator.sync_gradients else None
-                        if grad_norm is not None and not torch.isfinite(torch.as_tensor(grad_norm)):
-                            optimizer.zero_grad()  # a non-finite gradient: skip this step and count it
-                            skipped_steps += 1
-                        optimizer.step()
+                        accelerator.backward(loss)  # under DeepSpeed this also clips and steps at the boundary
+                        if accelerator.sync_gradients and not deepspeed_engine:
+                            grad_norm = accelerator.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+                            if math.isfinite(grad_norm):  # one host sync per optimizer step, not per micro-batch
+                                optimizer.step()
+                            else:
+                                skipped_steps += 1  # a non-finite gradient: skip this step and count it
                         optimizer.zero_grad()
                     with torch.no_grad():
                         ratio_log = log_ratio(new_logprobs, old_logprobs[rows], mask, not args.token_level_kl)
@@ -885,12 +888,11 @@ def main(args: Args):
             torch.tensor(num_sequences, device=device), sequence_kl.sum(), (-old_logprobs[response_mask]).sum(),
             raw_scores.sum(), (scores - args.kl_coef * sequence_kl).sum(),
             ((responses == tokenizer.eos_token_id) & response_mask).sum().float(),
-            response_mask.sum().float(), (torch.tensor(float(finite), device=device) if False else torch.tensor(0.0, device=device)),
+            response_mask.sum().float(),
         ])]).float()).tolist()  # fmt: skip
         (loss_sum, clip_sum, approxkl_sum, ratio_sum, ratio_sq_sum, entropy_sum, terms_sum, tokens_sum,
-         n_seq, kl_sum, neglogp_sum, score_sum, rlhf_sum, eos_count, response_tokens, _) = totals  # fmt: skip
+         n_seq, kl_sum, neglogp_sum, score_sum, rlhf_sum, eos_count, response_tokens) = totals  # fmt: skip
         terms_sum, tokens_sum = max(terms_sum, 1.0), max(tokens_sum, 1.0)
-        elapsed = elapsed_before + time.perf_counter() - start_time
         episode = (update + 1) * batch_size
         mean_ratio = ratio_sum / terms_sum
         metrics = {
@@ -911,13 +913,18 @@ def main(args: Args):
             "val/ratio_var": max(ratio_sq_sum / terms_sum - mean_ratio**2, 0.0),
             "val/num_eos_tokens": eos_count,
             "train/skipped_steps": skipped_steps,
+            # where this update's time went; "other" is everything since the previous update's training ended
+            # (its metrics, logging and checkpoint, then this update's data)
             "time/generation": t1 - t0,
             "time/scoring": t2 - t1,
             "time/training": t3 - t2,
-            "time/tokens_per_second": response_tokens / max(t1 - t0, 1e-9),
+            "time/other": t0 - previous_end,
+            "time/tokens_per_second": response_tokens / max(t1 - t0, 1e-9),  # generated, over every rank
         }
+        for phase in ("generation", "scoring", "training", "other"):
+            phase_totals[phase] += metrics[f"time/{phase}"]
+        phase_totals["tokens"] += response_tokens
         history.append(metrics["objective/scores"])
-        metrics["time/other"] = now() - t0 - (t3 - t0)
         if is_main:
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(metrics) + "\n")
@@ -948,6 +955,7 @@ def main(args: Args):
                 print(f"rloo.py: preempted; checkpoint written. Resume with: --output-dir {args.output_dir} "
                       "--resume-from-checkpoint latest", file=sys.stderr)  # fmt: skip
             sys.exit(143)
+        previous_end = t3
 
     # ---- save the final policy: a normal save_pretrained directory, loadable on one device
     state_dict = accelerator.get_state_dict(policy)  # under ZeRO-3, gathers the full weights from every rank
@@ -960,11 +968,22 @@ def main(args: Args):
     accelerator.wait_for_everyone()
     accelerator.end_training()
     if is_main and history:
+        # the run's own speed report: throughput, where an update's time went, peak memory
+        session = max(now() - start_time, 1e-9)
+        updates_run = num_updates - start_update
+        phases = sum(phase_totals[p] for p in ("generation", "scoring", "training", "other"))
+        shares = ", ".join(f"{p} {100 * phase_totals[p] / max(phases, 1e-9):.0f}%" for p in ("generation", "scoring", "training", "other"))
+        if torch.cuda.is_available():
+            memory = f"peak GPU memory {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB"
+        else:
+            memory = f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB"
+        print(f"speed: {updates_run * batch_size / session:.1f} episodes/s, "
+              f"{phase_totals['tokens'] / max(phase_totals['generation'], 1e-9):.0f} generated tokens/s while generating, "
+              f"{phases / max(updates_run, 1):.3f} s/update ({shares}); {memory} (rank 0)")  # fmt: skip
         tenth = max(1, len(history) // 10)
-        elapsed = elapsed_before + time.perf_counter() - start_time
-        print(f"done in {elapsed:.0f}s: {num_updates} updates, {num_updates * batch_size} episodes; mean score "
-              f"{np.mean(history[:tenth]):.3f} (first tenth) -> {np.mean(history[-tenth:]):.3f} (last tenth); "
-              f"model saved to {args.output_dir}")  # fmt: skip
+        print(f"done in {elapsed_before + session:.0f}s: {num_updates} updates, {num_updates * batch_size} episodes; "
+              f"mean score {np.mean(history[:tenth]):.3f} (first tenth) -> {np.mean(history[-tenth:]):.3f} "
+              f"(last tenth); model saved to {args.output_dir}")  # fmt: skip
 
 
 def deepspeed_gather(model):
