@@ -195,9 +195,9 @@ def global_mean_var(values, mask=None):
     """Mean and unbiased variance of values[mask] over every process, so that no statistic depends on how the
     global batch is split across ranks. Two passes (mean, then squared deviations), one all-reduce each."""
     mask = torch.ones_like(values, dtype=torch.bool) if mask is None else mask
-    count, total = all_reduce_sum(torch.stack([mask.sum().to(values.dtype), (values * mask).sum()]))
+    count, total = all_reduce_sum(torch.stack([mask.sum().to(values.dtype), torch.where(mask, values, 0.0).sum()]))
     mean = total / count
-    squared = all_reduce_sum(((values - mean) ** 2 * mask).sum())
+    squared = all_reduce_sum(torch.where(mask, (values - mean) ** 2, 0.0).sum())
     return mean, squared / (count - 1).clamp(min=1)
 
 
@@ -467,6 +467,11 @@ def check_scores(scores, count, spec):
     return values
 
 
+def first_line(error):
+    lines = str(error).strip().splitlines()
+    return lines[0][:120] if lines else type(error).__name__
+
+
 def load_pretrained(path, flag, model_class, trust_remote_code):
     """from_pretrained with an error naming the flag when nothing loadable is there."""
     try:
@@ -475,7 +480,7 @@ def load_pretrained(path, flag, model_class, trust_remote_code):
         offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false")
         where = "a local directory" if os.path.isdir(path) else ("the hub is off (HF_HUB_OFFLINE)" if offline else "a hub id")
         raise ArgumentError(
-            f"{flag} {path}: no model could be loaded ({where}: {str(error).splitlines()[0][:120]}); "
+            f"{flag} {path}: no model could be loaded ({where}: {first_line(error)}); "
             "offline runs need a local directory written by save_pretrained"
         ) from None
 
@@ -496,7 +501,7 @@ def load_prompts(args, tokenizer):
             else:
                 dataset = datasets.load_dataset(path, split=args.dataset_split)
         except Exception as error:  # datasets raises many kinds; all mean the same to the user
-            raise ArgumentError(f"--dataset-name {path}: cannot load it ({str(error).splitlines()[0][:120]})") from None
+            raise ArgumentError(f"--dataset-name {path}: cannot load it ({first_line(error)})") from None
         if isinstance(dataset, datasets.DatasetDict):
             dataset = dataset[args.dataset_split]
         if args.dataset_text_field not in dataset.column_names:
@@ -787,7 +792,7 @@ def main(args: Args):
         with torch.no_grad():
             old_logprobs, ref_logprobs, scores = [], [], []
             for i in range(0, len(queries), args.per_device_train_batch_size):
-                # the same micro-batches as the training forward below, so that with one epoch the first ratio is 1
+                # micro-batches of the training forward's size and code path, so that with one epoch the first ratio is 1
                 rows = slice(i, i + args.per_device_train_batch_size)
                 old_logprobs.append(forward_logprobs(policy, query_responses[rows], attention_mask[rows], context_length, args.temperature)[0])
             for i in range(0, len(queries), args.local_rollout_forward_batch_size):

@@ -1,0 +1,1021 @@
+"""Tests of rloo.py.
+
+The unit part (the top section) checks the pure functions of the trainer against numbers derived by hand or from
+plain-Python loops written here, never against output copied from a run; the distributed statistics are checked
+with two gloo processes. The end-to-end part runs rloo.py through `accelerate launch` in subprocesses: one process,
+and two processes under DeepSpeed ZeRO-3 and under DDP, on the CPU over gloo. No GPU, no network:
+
+    HF_HUB_OFFLINE=1 python -m pytest -q test_rloo.py
+"""
+
+import copy
+import dataclasses
+import json
+import math
+import os
+import pathlib
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import tyro
+from torch.testing import assert_close
+
+import rloo
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RLOO_PY = os.path.join(HERE, "rloo.py")
+
+
+def subprocess_env():
+    env = dict(os.environ, HF_HUB_OFFLINE="1", COLUMNS="200", PYTHONPATH=HERE)
+    env.pop("PYTHONSTARTUP", None)
+    return env
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 1. rloo_advantages
+
+
+def loo_reference(rewards, k):
+    """The leave-one-out advantage by an explicit double loop over prompts and samples (k-major layout)."""
+    rewards = [float(r) for r in rewards]
+    B = len(rewards) // k
+    out = [None] * len(rewards)
+    for j in range(B):  # prompt j
+        rows = [i * B + j for i in range(k)]
+        for row in rows:
+            others = [rewards[o] for o in rows if o != row]
+            out[row] = rewards[row] - sum(others) / (k - 1)
+    return out
+
+
+@pytest.mark.parametrize("k,B", [(2, 1), (2, 5), (3, 4), (4, 3), (8, 2)])
+def test_rloo_advantages_match_double_loop(k, B):
+    g = torch.Generator().manual_seed(100 * k + B)
+    rewards = torch.randn(k * B, generator=g, dtype=torch.float64) * 3 + 1
+    got = rloo.rloo_advantages(rewards, k)
+    assert got.shape == (k * B,)
+    assert_close(got, torch.tensor(loo_reference(rewards, k), dtype=torch.float64))
+    # each prompt's k advantages sum to zero: S - (k S - S) / (k - 1) = 0 with S the prompt's reward sum
+    assert_close(got.view(k, B).sum(0), torch.zeros(B, dtype=torch.float64), atol=1e-12, rtol=0)
+
+
+def test_rloo_advantages_trl_hand_values():
+    rewards = torch.tensor([1, 2, 3, 2, 3, 4, 5, 6, 7, 8, 9, 10], dtype=torch.float64)
+    got = rloo.rloo_advantages(rewards, 4)
+    # prompt j has samples at rows j, 3+j, 6+j, 9+j; A = r - (S - r)/3 with S = 16, 20, 24 for j = 0, 1, 2
+    expected = [-4, -4, -4, -8 / 3, -8 / 3, -8 / 3, 4 / 3, 4 / 3, 4 / 3, 16 / 3, 16 / 3, 16 / 3]
+    assert_close(got, torch.tensor(expected, dtype=torch.float64))
+    assert got[0].item() == pytest.approx(-4.0)
+    assert got[7].item() == pytest.approx(4 / 3)
+
+
+def test_rloo_advantages_layout_is_k_major():
+    # k=2, B=2: rows 0, 2 are prompt 0 and rows 1, 3 prompt 1; a prompt-major reading would pair rows 0 and 1
+    got = rloo.rloo_advantages(torch.tensor([0.0, 10.0, 1.0, 30.0]), 2)
+    assert_close(got, torch.tensor([-1.0, -20.0, 1.0, 20.0]))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 2. policy_loss
+
+
+def test_policy_loss_sequence_mode_by_hand():
+    eps = 0.2
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 0], [1, 0, 0]], dtype=torch.bool)
+    diffs = torch.tensor([[0.1, 0.2, 0.0], [0.05, -0.02, 0.01], [-0.5, 0.0, 0.0], [-0.3, 0.0, 0.0], [0.4, 0.0, 0.0]])
+    old = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -1.5, -2.5], [-0.7, -1.1, -0.2], [-2.0, -0.4, -0.9], [-1.2, -3.0, -0.6]])
+    new = (old + diffs).requires_grad_()
+    adv = torch.tensor([2.0, -1.0, -1.0, 3.0, -0.5])
+    loss, clipfrac = rloo.policy_loss(new, old, adv, mask, eps)
+    # row: log ratio, A -> unclipped -A r, clipped -A clip(r), the max, clipped wins?
+    # 0: 0.3,   A=2    -> -2 e^.3 = -2.6997, -2*1.2 = -2.4        -> -2.4, clipped
+    # 1: 0.04,  A=-1   -> e^.04 = 1.0408 both (inside the range)  -> 1.0408, not clipped
+    # 2: -0.5,  A=-1   -> e^-.5 = 0.6065, 0.8                     -> 0.8, clipped
+    # 3: -0.3,  A=3    -> -3 e^-.3 = -2.2225, -3*0.8 = -2.4       -> -2.2225, not clipped
+    # 4: 0.4,   A=-0.5 -> 0.5 e^.4 = 0.7459, 0.5*1.2 = 0.6        -> 0.7459, not clipped
+    terms = [-2.4, math.exp(0.04), 0.8, -3 * math.exp(-0.3), 0.5 * math.exp(0.4)]
+    assert loss.item() == pytest.approx(sum(terms) / 5, rel=1e-5)
+    assert clipfrac.item() == pytest.approx(2 / 5)
+    loss.backward()
+    # d loss / d logp_t = -A r / N on the real tokens of unclipped rows, 0 on clipped rows and on padding
+    row_grad = [0.0, math.exp(0.04), 0.0, -3 * math.exp(-0.3), 0.5 * math.exp(0.4)]
+    expected = torch.tensor(row_grad)[:, None] / 5 * mask.float()
+    assert_close(new.grad, expected)
+
+
+def test_policy_loss_token_mode_by_hand():
+    eps = 0.2
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=torch.bool)
+    diffs = torch.tensor([[0.3, -0.1, -0.4], [0.5, -0.5, 0.0]])
+    old = torch.tensor([[-1.0, -0.2, -3.0], [-0.6, -1.4, -0.8]])
+    new = (old + diffs).requires_grad_()
+    adv = torch.tensor([[1.0, 2.0, -1.0], [-2.0, 0.5, 0.0]])
+    loss, clipfrac = rloo.policy_loss(new, old, adv, mask, eps)
+    # (0,0): r=e^.3,  A=1   -> -1.3499 vs -1.2          -> -1.2 clipped
+    # (0,1): r=e^-.1, A=2   -> -1.8097 both             -> not clipped
+    # (0,2): r=e^-.4, A=-1  -> 0.6703 vs 0.8            -> 0.8 clipped
+    # (1,0): r=e^.5,  A=-2  -> 3.2974 vs 2.4            -> 3.2974 not clipped
+    # (1,1): r=e^-.5, A=0.5 -> -0.3033 vs -0.4          -> -0.3033 not clipped
+    terms = [-1.2, -2 * math.exp(-0.1), 0.8, 2 * math.exp(0.5), -0.5 * math.exp(-0.5)]
+    assert loss.item() == pytest.approx(sum(terms) / 5, rel=1e-5)
+    assert clipfrac.item() == pytest.approx(2 / 5)
+    loss.backward()
+    expected = torch.tensor([[0.0, -2 * math.exp(-0.1), 0.0], [2 * math.exp(0.5), -0.5 * math.exp(-0.5), 0.0]]) / 5
+    assert_close(new.grad, expected)
+
+
+def test_policy_loss_ratio_one_is_minus_mean_advantage():
+    # new == old: ratio 1, nothing clipped, loss = -mean(A) (sequence) / -mean over real tokens (token mode)
+    g = torch.Generator().manual_seed(0)
+    logp = -torch.rand(4, 6, generator=g)
+    mask = torch.arange(6)[None, :] < torch.tensor([[6], [1], [3], [4]])
+    adv = torch.randn(4, generator=g)
+    loss, clipfrac = rloo.policy_loss(logp, logp, adv, mask, 0.2)
+    assert_close(loss, -adv.mean())
+    assert clipfrac.item() == 0.0
+    adv_t = torch.randn(4, 6, generator=g)
+    loss, clipfrac = rloo.policy_loss(logp, logp, adv_t, mask, 0.2)
+    assert_close(loss, -adv_t[mask].sum() / mask.sum())
+    assert clipfrac.item() == 0.0
+
+
+@pytest.mark.parametrize("token_mode", [False, True])
+def test_policy_loss_ignores_garbage_at_masked_positions(token_mode):
+    g = torch.Generator().manual_seed(3)
+    N, T = 5, 6
+    mask = torch.arange(T)[None, :] < torch.tensor([[6], [1], [3], [4], [2]])
+    old = -torch.rand(N, T, generator=g) * 2
+    new = old + torch.randn(N, T, generator=g) * 0.3  # some ratios leave [0.8, 1.2], some do not
+    adv = torch.randn(N, T, generator=g) if token_mode else torch.randn(N, generator=g)
+
+    def run(new, old, adv):
+        new = new.clone().requires_grad_()
+        loss, clipfrac = rloo.policy_loss(new, old, adv, mask, 0.2)
+        loss.backward()
+        return loss.detach(), clipfrac, new.grad
+
+    clean = run(torch.where(mask, new, 0.0), torch.where(mask, old, 0.0), torch.where(mask, adv, 0.0) if token_mode else adv)
+    assert 0.0 < clean[1].item() < 1.0  # the case exercises both sides of the clip
+    garbage = torch.tensor([math.inf, -math.inf, math.nan, 1e9, -1e9, math.nan])
+    fill = garbage.repeat(N * T // len(garbage) + 1)[: N * T].view(N, T)
+    fill_old = fill.roll(1, dims=1)  # different garbage in old: inf - inf, nan - 1e9, ...
+    dirty_adv = torch.where(mask, adv, fill.roll(2, dims=1)) if token_mode else adv
+    dirty = run(torch.where(mask, new, fill), torch.where(mask, old, fill_old), dirty_adv)
+    assert torch.isfinite(clean[0]) and torch.isfinite(dirty[0])
+    assert_close(dirty[0], clean[0], rtol=0, atol=0)
+    assert_close(dirty[1], clean[1], rtol=0, atol=0)
+    assert torch.isfinite(dirty[2]).all()
+    assert_close(dirty[2][mask], clean[2][mask], rtol=0, atol=0)
+    assert (dirty[2][~mask] == 0).all()
+    assert (clean[2][mask] != 0).any()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 3. truncate_response and first_true_indices
+
+
+def test_first_true_indices():
+    bools = torch.tensor([[0, 1, 0, 1], [0, 0, 0, 0], [1, 0, 0, 0], [0, 0, 0, 1]], dtype=torch.bool)
+    assert rloo.first_true_indices(bools).tolist() == [1, 4, 0, 3]
+
+
+def test_truncate_response_pad_equals_stop():
+    eos = pad = 0
+    responses = torch.tensor([[5, 0, 7, 0], [3, 4, 6, 8], [0, 2, 3, 4], [1, 2, 3, 0]])
+    out, mask = rloo.truncate_response(responses, eos, pad)
+    assert out.tolist() == [[5, 0, 0, 0], [3, 4, 6, 8], [0, 0, 0, 0], [1, 2, 3, 0]]
+    # the stop token is real even though it has the pad id; a row without a stop keeps everything
+    assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 1, 1]]
+    assert mask.dtype == torch.bool
+
+
+def test_truncate_response_distinct_pad():
+    responses = torch.tensor([[5, 2, 7, 2, 9], [3, 4, 6, 8, 1], [2, 2, 3, 4, 5]])
+    out, mask = rloo.truncate_response(responses, 2, 99)
+    assert out.tolist() == [[5, 2, 99, 99, 99], [3, 4, 6, 8, 1], [2, 99, 99, 99, 99]]
+    assert mask.tolist() == [[1, 1, 0, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
+
+
+def test_truncate_response_without_stop_token_keeps_everything():
+    responses = torch.tensor([[5, 0, 7, 0], [0, 0, 0, 0]])
+    out, mask = rloo.truncate_response(responses, None, 0)
+    assert out.tolist() == responses.tolist()
+    assert mask.all() and mask.shape == responses.shape
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 4. token_level_advantages
+
+
+def token_advantages_reference(scores, kl, mask, kl_coef, k):
+    """A_t = LOO(score) - kl_coef * sum_{t' >= t, real} kl_t', by loops; None at padding."""
+    loo = loo_reference(scores, k)
+    out = []
+    for n in range(len(scores)):
+        row = []
+        for t in range(kl.shape[1]):
+            if not mask[n, t]:
+                row.append(None)
+                continue
+            to_go = sum(float(kl[n, u]) for u in range(t, kl.shape[1]) if mask[n, u])
+            row.append(loo[n] - kl_coef * to_go)
+        out.append(row)
+    return out
+
+
+def assert_real_positions(got, expected_rows, mask):
+    expected = torch.tensor([[0.0 if v is None else v for v in row] for row in expected_rows], dtype=got.dtype)
+    assert_close(got[mask], expected[mask])
+
+
+def test_token_level_advantages_by_hand():
+    scores = torch.tensor([1.0, 3.0])  # k=2, B=1: LOO = [-2, 2]
+    kl = torch.tensor([[0.1, 0.2, 0.3], [0.4, 0.5, 99.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=torch.bool)
+    got = rloo.token_level_advantages(scores, kl, mask, 0.5, 2)
+    assert got.shape == (2, 3)
+    # row 0: -2 - 0.5 * [0.6, 0.5, 0.3]; row 1: 2 - 0.5 * [0.9, 0.5]
+    assert_close(got[0], torch.tensor([-2.3, -2.25, -2.15]))
+    assert_close(got[1, :2], torch.tensor([1.55, 1.75]))
+
+
+def test_token_level_advantages_k2_b2_by_hand():
+    scores = torch.tensor([1.0, 0.0, 2.0, 4.0])  # rows 0, 2 prompt 0 (LOO -1, 1); rows 1, 3 prompt 1 (-4, 4)
+    kl = torch.tensor([[1.0, 2.0], [0.5, 7.0], [3.0, 1.0], [2.0, 2.0]])
+    mask = torch.tensor([[1, 1], [1, 0], [1, 1], [1, 1]], dtype=torch.bool)
+    got = rloo.token_level_advantages(scores, kl, mask, 0.1, 2)
+    assert_close(got[0], torch.tensor([-1 - 0.3, -1 - 0.2]))
+    assert_close(got[1, 0], torch.tensor(-4 - 0.05))
+    assert_close(got[2], torch.tensor([1 - 0.4, 1 - 0.1]))
+    assert_close(got[3], torch.tensor([4 - 0.4, 4 - 0.2]))
+
+
+@pytest.mark.parametrize("k,B", [(2, 3), (3, 2), (4, 1)])
+def test_token_level_advantages_match_loops_and_ignore_masked_kl(k, B):
+    g = torch.Generator().manual_seed(7 * k + B)
+    N, T = k * B, 5
+    scores = torch.randn(N, generator=g, dtype=torch.float64)
+    kl = torch.rand(N, T, generator=g, dtype=torch.float64)
+    lengths = torch.randint(1, T + 1, (N, 1), generator=g)
+    mask = torch.arange(T)[None, :] < lengths
+    got = rloo.token_level_advantages(scores, kl, mask, 0.3, k)
+    assert_real_positions(got, token_advantages_reference(scores, kl, mask, 0.3, k), mask)
+    garbage = torch.tensor([math.nan, math.inf, -math.inf, 1e9], dtype=torch.float64).repeat(N * T)[: N * T].view(N, T)
+    dirty = rloo.token_level_advantages(scores, torch.where(mask, kl, garbage), mask, 0.3, k)
+    assert_close(dirty[mask], got[mask], rtol=0, atol=0)
+
+
+def test_token_level_advantages_whiten_rewards_follows_docstring():
+    # whiten_rewards: per-token rewards r_t = -c kl_t (+ score at the last real token), mapped to
+    # w_t = (r_t - m) s + m with m, s^-2 - 1e-8 the mean and unbiased variance over real tokens; then
+    # A_t = LOO(s * score) + sum_{t' >= t} (w_t' - [t' == last] s * score)
+    g = torch.Generator().manual_seed(3)
+    k, B, T, c = 2, 2, 4, 0.2
+    N = k * B
+    scores = torch.randn(N, generator=g, dtype=torch.float64) * 2
+    kl = torch.rand(N, T, generator=g, dtype=torch.float64)
+    mask = torch.arange(T)[None, :] < torch.tensor([[4], [2], [3], [1]])
+    got = rloo.token_level_advantages(scores, kl, mask, c, k, whiten_rewards=True)
+    last = [int(mask[n].sum()) - 1 for n in range(N)]
+    r = {(n, t): -c * float(kl[n, t]) + (float(scores[n]) if t == last[n] else 0.0)
+         for n in range(N) for t in range(T) if mask[n, t]}  # fmt: skip
+    m, v = statistics.mean(r.values()), statistics.variance(r.values())
+    s = 1 / math.sqrt(v + 1e-8)
+    loo = loo_reference([s * float(x) for x in scores], k)
+    for n in range(N):
+        for t in range(last[n] + 1):
+            to_go = sum((r[n, u] - m) * s + m for u in range(t, last[n] + 1)) - s * float(scores[n])
+            assert got[n, t].item() == pytest.approx(loo[n] + to_go, rel=1e-9, abs=1e-9)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 5. whiten and global_mean_var: one process, then two
+
+
+def test_whiten_single_process():
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 5, generator=g, dtype=torch.float64) * 3 + 2
+    ref = (x - x.mean()) / torch.sqrt(x.var(unbiased=True) + 1e-8)
+    assert_close(rloo.whiten(x), ref)
+    assert_close(rloo.whiten(x, shift_mean=False), ref + x.mean())
+    mean, var = rloo.global_mean_var(x)
+    assert_close(mean, x.mean())
+    assert_close(var, x.var(unbiased=True))
+
+
+def test_whiten_masked_single_process():
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(4, 5, generator=g, dtype=torch.float64) * 3 + 2
+    mask = torch.rand(4, 5, generator=g) < 0.6
+    x = torch.where(mask, x, 1e6)  # the padding is huge: any leak shows
+    real = [float(v) for v in x[mask]]
+    m, v = statistics.mean(real), statistics.variance(real)
+    mean, var = rloo.global_mean_var(x, mask)
+    assert mean.item() == pytest.approx(m, rel=1e-12)
+    assert var.item() == pytest.approx(v, rel=1e-12)
+    ref = (x[mask] - m) / math.sqrt(v + 1e-8)
+    assert_close(rloo.whiten(x, mask)[mask], ref)
+    assert_close(rloo.whiten(x, mask, shift_mean=False)[mask], ref + m)
+
+
+def _whiten_worker(rank, init_file, out_dir, values, mask):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        half = values.shape[0] // 2
+        local, local_mask = values[rank * half : (rank + 1) * half], mask[rank * half : (rank + 1) * half]
+        mean_m, var_m = rloo.global_mean_var(local, local_mask)
+        mean_a, var_a = rloo.global_mean_var(local)
+        result = {
+            "mean_masked": mean_m, "var_masked": var_m, "mean_all": mean_a, "var_all": var_a,
+            "whiten_masked": rloo.whiten(local, local_mask),
+            "whiten_masked_keep_mean": rloo.whiten(local, local_mask, shift_mean=False),
+            "whiten_all": rloo.whiten(local),
+            "sum": rloo.all_reduce_sum(torch.tensor([float(rank + 1)])),
+        }  # fmt: skip
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_whiten_and_global_mean_var_across_two_processes(tmp_path):
+    g = torch.Generator().manual_seed(8)
+    values = torch.randn(6, 4, generator=g, dtype=torch.float64) * 2 - 1
+    mask = torch.zeros(6, 4, dtype=torch.bool)
+    mask[:3] = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 1, 0]], dtype=torch.bool)  # rank 0: 10 real
+    mask[3:] = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 0, 0]], dtype=torch.bool)  # rank 1: 3 real
+    values = torch.where(mask, values, 50.0)  # padding far from the data: any leak shows
+    context = mp.spawn(_whiten_worker, args=(str(tmp_path / "init"), str(tmp_path), values, mask), nprocs=2, join=False)
+    deadline = time.monotonic() + 120
+    while not context.join(timeout=2):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail("the two gloo processes did not finish in 120 s")
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+
+    real = [float(v) for v in values[mask]]
+    m, v = statistics.mean(real), statistics.variance(real)
+    everything = [float(x) for x in values.flatten()]
+    m_all, v_all = statistics.mean(everything), statistics.variance(everything)
+    for res in results:
+        assert res["sum"].item() == 3.0  # 1 + 2: all_reduce_sum really went through torch.distributed
+        assert res["mean_masked"].item() == pytest.approx(m, rel=1e-12)
+        assert res["var_masked"].item() == pytest.approx(v, rel=1e-12)
+        assert res["mean_all"].item() == pytest.approx(m_all, rel=1e-12)
+        assert res["var_all"].item() == pytest.approx(v_all, rel=1e-12)
+    # the halves' whitened values equal the unsplit batch's
+    whitened = torch.cat([res["whiten_masked"] for res in results])
+    kept = torch.cat([res["whiten_masked_keep_mean"] for res in results])
+    ref = (values[mask] - m) / math.sqrt(v + 1e-8)
+    assert_close(whitened[mask], ref)
+    assert_close(kept[mask], ref + m)
+    assert_close(torch.cat([res["whiten_all"] for res in results]), (values - m_all) / math.sqrt(v_all + 1e-8))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 6. logprobs_from_logits
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_from_logits(dtype, temperature):
+    g = torch.Generator().manual_seed(9)
+    logits = (torch.randn(3, 4, 11, generator=g) * 4).to(dtype)
+    tokens = torch.randint(0, 11, (3, 4), generator=g)
+    logprobs, entropy = rloo.logprobs_from_logits(logits, tokens, temperature, with_entropy=True)
+    assert logprobs.dtype == torch.float32 and logprobs.shape == (3, 4)
+    ref_all = torch.log_softmax(logits.float() / temperature, dim=-1)  # from the bf16 values, cast to float32
+    assert_close(logprobs, ref_all.gather(-1, tokens[..., None]).squeeze(-1))
+    p = ref_all.exp()
+    assert_close(entropy, -(p * ref_all).sum(-1))
+    none_logprobs, none_entropy = rloo.logprobs_from_logits(logits, tokens, temperature)
+    assert none_entropy is None
+    assert_close(none_logprobs, logprobs, rtol=0, atol=0)
+
+
+def test_logprobs_from_logits_gradient():
+    # d/dz sum_t log softmax(z_t / tau)[y_t] = (onehot(y_t) - softmax(z_t / tau)) / tau
+    g = torch.Generator().manual_seed(10)
+    tau = 0.7
+    logits = torch.randn(2, 3, 5, generator=g, dtype=torch.float32).requires_grad_()
+    tokens = torch.randint(0, 5, (2, 3), generator=g)
+    logprobs, _ = rloo.logprobs_from_logits(logits, tokens, tau)
+    logprobs.sum().backward()
+    expected = (torch.nn.functional.one_hot(tokens, 5).float() - torch.softmax(logits.detach() / tau, -1)) / tau
+    assert_close(logits.grad, expected)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 7. get_reward
+
+
+@pytest.fixture(scope="module", params=["gpt_neox", "gpt2"])
+def tiny_reward_model(request):
+    """(model, backbone): the GPT-NeoX of the brief, and a GPT-2, whose learned absolute position embeddings make
+    wrong position ids show (GPT-NeoX's rotary embeddings are relative: a left-pad offset cancels out)."""
+    from transformers import GPT2Config, GPT2ForSequenceClassification, GPTNeoXConfig, GPTNeoXForSequenceClassification
+
+    torch.manual_seed(0)
+    if request.param == "gpt_neox":
+        config = GPTNeoXConfig(
+            vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+            max_position_embeddings=64, num_labels=1, pad_token_id=0, eos_token_id=1, bos_token_id=1,
+        )  # fmt: skip
+        model = GPTNeoXForSequenceClassification(config).eval()
+        return model, model.gpt_neox
+    config = GPT2Config(vocab_size=50, n_embd=32, n_layer=2, n_head=4, n_positions=64, num_labels=1,
+                        pad_token_id=0, eos_token_id=1, bos_token_id=1)  # fmt: skip
+    model = GPT2ForSequenceClassification(config).eval()
+    return model, model.transformer
+
+
+def test_get_reward(tiny_reward_model):
+    model, backbone = tiny_reward_model
+    # left-padded prompts + right-padded responses; last_index is each row's last real token
+    ids = torch.tensor(
+        [[0, 0, 5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16, 0, 0], [0, 0, 0, 20, 21, 22, 23, 0]]
+    )
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 0, 0], [0, 0, 0, 1, 1, 1, 1, 0]])
+    last_index = torch.tensor([7, 5, 6])
+    with torch.no_grad():
+        got = rloo.get_reward(model, ids, mask, last_index)
+        assert got.shape == (3,) and got.dtype == torch.float32
+        # the score head on the backbone's hidden state at last_index, with positions counting real tokens
+        position_ids = (mask.cumsum(1) - 1).clamp(min=0)
+        hidden = backbone(input_ids=ids, attention_mask=mask, position_ids=position_ids).last_hidden_state
+        ref = torch.stack([model.score(hidden[n, last_index[n]]).squeeze(-1) for n in range(3)])
+        assert_close(got, ref)
+        # the same as each row alone, without any padding
+        alone = []
+        for n in range(3):
+            real = ids[n][mask[n].bool()][None]
+            h = backbone(input_ids=real, position_ids=torch.arange(real.shape[1])[None]).last_hidden_state
+            alone.append(model.score(h[0, -1]).squeeze(-1))
+        assert_close(got, torch.stack(alone), rtol=1e-5, atol=1e-5)
+        # what follows last_index does not matter (other tokens, even unmasked), nor the left-pad token ids
+        after = torch.arange(8)[None, :] > last_index[:, None]
+        other = rloo.get_reward(model, torch.where(after, 42, ids), torch.where(after, 1, mask), last_index)
+        assert_close(other, got)
+        left_pad = mask.cumsum(1) == 0
+        repadded = rloo.get_reward(model, torch.where(left_pad, 33, ids), mask, last_index)
+        assert_close(repadded, got)
+        # and the value does depend on the tokens up to last_index (the test would notice a wrong position)
+        changed = ids.clone()
+        changed[:, 3] = 44
+        assert not torch.allclose(rloo.get_reward(model, changed, mask, last_index), got)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 9. toy_reward
+
+
+def test_toy_reward_by_hand():
+    completions = ["aei", "xyz", "AEIOU", "a e i o u", "", "banana", "ouch!"]
+    got = rloo.toy_reward(["p"] * len(completions), completions, response_length=10)
+    assert got == pytest.approx([3.0, 0.0, 0.0, 5.0, 0.0, 3.0, 2.0])
+    assert rloo.toy_reward(["p"], ["aaaa"]) == pytest.approx([10.0 * 4 / 53])  # default length: 53
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 10. validate_args
+
+
+@pytest.mark.parametrize(
+    "changes,flags",
+    [
+        ({"rloo_k": 1}, ["--rloo-k"]),
+        ({"response_length": 0}, ["--response-length"]),
+        ({"temperature": 0.0}, ["--temperature"]),
+        ({"cliprange": 0.0}, ["--cliprange"]),
+        ({"kl_coef": -1.0}, ["--kl-coef"]),
+        ({"reward_clip_range": 0.0}, ["--reward-clip-range"]),
+        ({"learning_rate": 0.0}, ["--learning-rate"]),
+        ({"per_device_train_batch_size": 6, "rloo_k": 4}, ["--per-device-train-batch-size", "--rloo-k"]),
+        ({"total_episodes": 4}, ["--total-episodes"]),
+        ({"missing_eos_penalty": 1.0}, ["--missing-eos-penalty"]),
+    ],
+)
+def test_validate_args_rejects(changes, flags):
+    args = dataclasses.replace(rloo.Args(), **changes)
+    with pytest.raises(rloo.ArgumentError) as info:
+        rloo.validate_args(args, 1)
+    assert isinstance(info.value, SystemExit)
+    for flag in flags:
+        assert flag in str(info.value.code)
+
+
+def test_validate_args_total_episodes_counts_every_process():
+    args = dataclasses.replace(rloo.Args(), total_episodes=16)  # one update on 2 processes is 8 x 2 = 16
+    rloo.validate_args(args, 2)
+    with pytest.raises(rloo.ArgumentError, match="--total-episodes"):
+        rloo.validate_args(args, 3)
+
+
+def test_validate_args_accepts_defaults_and_valid_combinations():
+    rloo.validate_args(rloo.Args(), 1)
+    rloo.validate_args(rloo.Args(), 8)
+    rloo.validate_args(dataclasses.replace(rloo.Args(), missing_eos_penalty=1.0, stop_token="eos"), 1)
+    rloo.validate_args(dataclasses.replace(rloo.Args(), missing_eos_penalty=1.0, stop_token_id=3), 1)
+    rloo.validate_args(dataclasses.replace(rloo.Args(), per_device_train_batch_size=6, rloo_k=3, kl_coef=0.0), 1)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 11. the command line
+
+
+def test_cli_parses_flags():
+    assert tyro.cli(rloo.Args, args=["--rloo-k", "4"]).rloo_k == 4
+    assert tyro.cli(rloo.Args, args=["--token-level-kl"]).token_level_kl is True
+    assert tyro.cli(rloo.Args, args=["--no-token-level-kl"]).token_level_kl is False
+    args = tyro.cli(rloo.Args, args=["--stop-token", "eos", "--missing-eos-penalty", "1.5", "--kl-coef", "0.1"])
+    assert (args.stop_token, args.missing_eos_penalty, args.kl_coef) == ("eos", 1.5, 0.1)
+
+
+TRL_FLAGS = (
+    # RLOOConfig
+    "--exp-name --reward-model-path --num-ppo-epochs --whiten-rewards --kl-coef --cliprange --rloo-k "
+    "--normalize-reward --reward-clip-range --normalize-advantage --token-level-kl --ds3-gather-for-generation "
+    # OnPolicyConfig
+    "--run-name --sft-model-path --total-episodes --num-mini-batches --local-rollout-forward-batch-size "
+    "--num-sample-generations --response-length --stop-token --stop-token-id --temperature --missing-eos-penalty"
+).split()
+
+
+def test_cli_help_lists_trl_flags():
+    result = subprocess.run([sys.executable, RLOO_PY, "--help"], capture_output=True, text=True, cwd=HERE,
+                            env=subprocess_env(), timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    missing = [f for f in TRL_FLAGS if not re.search(rf"(?<![\w-]){re.escape(f)}(?![\w-])", result.stdout)]
+    assert not missing, missing
+
+
+def test_defaults_equal_trl():
+    args = rloo.Args()
+    trl = dict(
+        num_ppo_epochs=4, whiten_rewards=False, kl_coef=0.05, cliprange=0.2, rloo_k=2, normalize_reward=False,
+        reward_clip_range=10.0, normalize_advantage=False, token_level_kl=False, ds3_gather_for_generation=True,
+        num_mini_batches=1, local_rollout_forward_batch_size=64, num_sample_generations=10, response_length=53,
+        stop_token=None, temperature=0.7, missing_eos_penalty=None,
+    )  # fmt: skip
+    assert {name: getattr(args, name) for name in trl} == trl
+    assert args.exp_name == "rloo"  # TRL: the script's name without .py
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 12. `import rloo` runs nothing
+
+
+def test_import_runs_nothing(tmp_path):
+    cwd, report = tmp_path / "cwd", tmp_path / "modules.txt"
+    cwd.mkdir()
+    code = ("import sys, rloo; open(sys.argv[1], 'w').write(repr((rloo.__file__, sorted(m for m in "
+            "('accelerate', 'deepspeed', 'transformers', 'datasets') if m in sys.modules))))")  # fmt: skip
+    result = subprocess.run([sys.executable, "-c", code, str(report)], capture_output=True, text=True, cwd=cwd,
+                            env=subprocess_env(), timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "" and result.stderr == ""  # prints nothing
+    assert os.listdir(cwd) == []  # writes nothing: no runs/, no metrics, no checkpoint
+    path, heavy = eval(report.read_text())
+    assert os.path.samefile(path, RLOO_PY)
+    assert heavy == []  # the heavy libraries load in main(), not on import
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# end to end: rloo.py through `accelerate launch` in a subprocess, offline, with tiny local models
+
+ROOT = pathlib.Path(__file__).resolve().parent
+METRIC_NAMES = [
+    "objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward", "objective/scores",
+    "policy/approxkl_avg", "policy/clipfrac_avg", "loss/policy_avg", "policy/entropy_avg", "val/ratio",
+    "val/ratio_var", "val/num_eos_tokens", "lr", "episode", "eps", "train/skipped_steps",
+    "time/generation", "time/scoring", "time/training", "time/other", "time/tokens_per_second",
+]  # fmt: skip
+# a short run: 4 updates of 8 completions, 8 tokens each
+SHORT = ["--response-length", "8", "--total-episodes", "32", "--per-device-train-batch-size", "8",
+         "--num-sample-generations", "0", "--local-rollout-forward-batch-size", "8"]  # fmt: skip
+
+REWARD_MODULE = '''
+import json, math, os, signal
+calls = 0
+
+def vowels(prompts, completions):
+    """Lowercase vowels per completion; RLOO_TEST_* variables make it log, preempt its process, or turn to NaN."""
+    global calls
+    calls += 1  # call 1 is rloo.py's start-up check
+    scores = [float(sum(c in "aeiou" for c in text)) for text in completions]
+    if os.environ.get("RLOO_TEST_NAN_FROM") and calls >= int(os.environ["RLOO_TEST_NAN_FROM"]):
+        scores = [float("nan")] * len(completions)
+    if calls > 1:
+        log(prompts, completions, scores)
+    if os.environ.get("RLOO_TEST_KILL_AT") and calls == int(os.environ["RLOO_TEST_KILL_AT"]):
+        if os.environ.get("RANK", "0") == "0":  # like a scheduler's preemption, seen first by one rank
+            os.kill(os.getpid(), signal.SIGTERM)
+    return scores
+
+def log(prompts, completions, scores):
+    if os.environ.get("RLOO_TEST_LOG"):
+        with open(os.environ["RLOO_TEST_LOG"] + "." + os.environ.get("RANK", "0"), "a") as f:
+            f.write(json.dumps({"prompts": prompts, "completions": completions, "scores": scores}) + "\\n")
+
+def constant(prompts, completions):
+    return [0.0] * len(completions)
+
+def spread(prompts, completions):
+    """Distinct values per completion: the length of the text plus the rank of its character sum."""
+    scores = [float(len(text)) + 0.01 * (sum(map(ord, text)) % 97) for text in completions]
+    if len(prompts) > 2:  # not rloo.py's start-up check
+        log(prompts, completions, scores)
+    return scores
+
+def huge(prompts, completions):
+    return [100.0] * len(completions)
+
+def wrong_count(prompts, completions):
+    return [1.0]
+
+def not_numbers(prompts, completions):
+    return ["high"] * len(completions)
+
+def always_nan(prompts, completions):
+    return [float("nan")] * len(completions)
+'''
+
+
+@pytest.fixture(scope="session")
+def workdir(tmp_path_factory):
+    """A tiny policy and reward model (the toy tokenizer), a reward model whose tokenizer differs, and the
+    reward functions, all in one temporary directory."""
+    from transformers import GPTNeoXForSequenceClassification
+
+    root = tmp_path_factory.mktemp("rloo")
+    tokenizer = rloo.toy_tokenizer()
+    policy = rloo.toy_policy(tokenizer, seed=0)
+    policy.save_pretrained(root / "policy")
+    tokenizer.save_pretrained(root / "policy")
+    config = copy.deepcopy(policy.config)
+    config.num_labels = 1
+    torch.manual_seed(1)
+    reward = GPTNeoXForSequenceClassification(config)
+    reward.save_pretrained(root / "reward")
+    tokenizer.save_pretrained(root / "reward")
+    # the same model, with a tokenizer that has one more special token: rloo.py must re-encode for it
+    reward.save_pretrained(root / "reward_other_tokenizer")
+    other = rloo.toy_tokenizer()
+    other.add_special_tokens({"additional_special_tokens": ["<|sep|>"]})
+    other.save_pretrained(root / "reward_other_tokenizer")
+    config.num_labels = 2
+    GPTNeoXForSequenceClassification(config).save_pretrained(root / "reward_two_labels")
+    (root / "test_rewards.py").write_text(REWARD_MODULE)
+    return root
+
+
+def launch(workdir, output, *flags, backend="single", env=None, check=True):
+    """`accelerate launch rloo.py` in a subprocess: one process, 2-process ZeRO-3 (ds_zero3.yaml) or 2-process DDP."""
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", "1", "--mixed_precision", "no",
+               "--dynamo_backend", "no"]  # fmt: skip
+    run_env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
+                   TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(workdir), **(env or {}))  # fmt: skip
+    if backend == "zero3":
+        command += ["--config_file", str(ROOT / "ds_zero3.yaml"), "--num_processes", "2"]
+    elif backend == "ddp":
+        command += ["--multi_gpu", "--num_processes", "2"]
+        run_env["ACCELERATE_USE_CPU"] = "true"
+    else:
+        command += ["--num_processes", "1"]
+    command += [str(ROOT / "rloo.py"), "--output-dir", str(output), *flags]
+    proc = subprocess.run(command, cwd=workdir, env=run_env, capture_output=True, text=True, timeout=900)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"rloo.py failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def read_metrics(output):
+    return [json.loads(line) for line in (pathlib.Path(output) / "metrics.jsonl").read_text().splitlines()]
+
+
+def read_log(path):
+    return [json.loads(line) for line in pathlib.Path(path).read_text().splitlines()]
+
+
+def load_weights(directory):
+    from safetensors.torch import load_file
+
+    return load_file(str(pathlib.Path(directory) / "model.safetensors"))
+
+
+def test_toy_run_writes_every_metric(workdir, tmp_path):
+    proc = launch(workdir, tmp_path / "out", "--rloo-k", "4", *SHORT[:-4], "--num-sample-generations", "2")
+    metrics = read_metrics(tmp_path / "out")
+    assert [m["update"] for m in metrics] == [1, 2, 3, 4]
+    assert [m["episode"] for m in metrics] == [8, 16, 24, 32]
+    for m in metrics:
+        assert set(METRIC_NAMES) <= set(m), set(METRIC_NAMES) - set(m)
+        assert all(math.isfinite(m[name]) for name in METRIC_NAMES)
+        assert m["eps"] > 0
+    # linear decay from the toy's 1e-3 to 0 over exactly 4 updates
+    assert [m["lr"] for m in metrics] == pytest.approx([1e-3, 0.75e-3, 0.5e-3, 0.25e-3])
+    assert metrics[0]["objective/kl"] == pytest.approx(0.0, abs=1e-5)  # policy == reference before any step
+    assert "done in" in proc.stdout and "first tenth" in proc.stdout and "episodes/s" in proc.stdout
+    assert proc.stdout.count("| score") == 2  # num_sample_generations tables
+    assert (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_local_models_save_a_model_that_reloads(workdir, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    launch(workdir, tmp_path / "out", "--sft-model-path", str(workdir / "policy"), "--reward-model-path",
+           str(workdir / "reward"), "--stop-token", "eos", "--learning-rate", "1e-3", *SHORT)  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "out")
+    initial = AutoModelForCausalLM.from_pretrained(workdir / "policy")
+    assert len(tokenizer) == model.config.vocab_size
+    changed = [n for n, p in model.state_dict().items() if not torch.equal(p, initial.state_dict()[n])]
+    assert changed, "training changed no weight"
+    assert all(math.isfinite(m["objective/scores"]) for m in read_metrics(tmp_path / "out"))
+
+
+def test_reward_model_with_another_tokenizer(workdir, tmp_path):
+    launch(workdir, tmp_path / "out", "--sft-model-path", str(workdir / "policy"), "--reward-model-path",
+           str(workdir / "reward_other_tokenizer"), *SHORT)  # fmt: skip
+    metrics = read_metrics(tmp_path / "out")
+    assert len(metrics) == 4 and all(math.isfinite(m["objective/scores"]) for m in metrics)
+
+
+@pytest.mark.parametrize("token_level", [False, True])
+def test_first_ratio_is_one_with_one_epoch(workdir, tmp_path, token_level):
+    flags = ["--num-ppo-epochs", "1", "--rloo-k", "4"] + (["--token-level-kl"] if token_level else [])
+    launch(workdir, tmp_path / "out", *flags, *SHORT)
+    first = read_metrics(tmp_path / "out")[0]
+    assert first["val/ratio"] == 1.0
+    assert first["policy/clipfrac_avg"] == 0.0
+    assert first["policy/approxkl_avg"] == 0.0
+
+
+def test_token_level_kl_changes_the_loss(workdir, tmp_path):
+    flags = ["--kl-coef", "0.5", "--num-ppo-epochs", "2", *SHORT]
+    launch(workdir, tmp_path / "sequence", *flags)
+    launch(workdir, tmp_path / "token", "--token-level-kl", *flags)
+    sequence, token = read_metrics(tmp_path / "sequence"), read_metrics(tmp_path / "token")
+    # the first rollout is the same (same seed, policy == reference: KL 0, so the advantages agree too)
+    assert sequence[0]["objective/scores"] == token[0]["objective/scores"]
+    # once the policy has moved, the KL enters each token's advantage instead of the sequence reward
+    assert all(m["objective/kl"] > 0 for m in sequence[1:])
+    assert any(a["loss/policy_avg"] != pytest.approx(b["loss/policy_avg"], abs=1e-6) for a, b in zip(sequence[1:], token[1:]))
+
+
+def test_reward_fn_scores_the_completions(workdir, tmp_path):
+    log = tmp_path / "calls"
+    launch(workdir, tmp_path / "out", "--reward-fn", "test_rewards:vowels", "--rloo-k", "4", *SHORT,
+           env={"RLOO_TEST_LOG": str(log)})  # fmt: skip
+    calls, metrics = read_log(str(log) + ".0"), read_metrics(tmp_path / "out")
+    assert len(calls) == 4
+    for call, m in zip(calls, metrics):
+        assert len(call["completions"]) == 8
+        # k-major: the 2 prompts of the update, each repeated k = 4 times in the same order
+        assert call["prompts"] == call["prompts"][:2] * 4 and call["prompts"][0] in rloo.toy_prompts()
+        assert [float(sum(c in "aeiou" for c in text)) for text in call["completions"]] == call["scores"]
+        assert m["objective/scores"] == pytest.approx(sum(call["scores"]) / 8)
+
+
+def test_missing_eos_penalty_uses_the_stop_token(workdir, tmp_path):
+    # the stop token is the byte "e", not eos: a completion has it iff its text ends with "e" after truncation
+    stop_id = rloo.toy_tokenizer().convert_tokens_to_ids("e")
+    log = tmp_path / "calls"
+    launch(workdir, tmp_path / "out", "--reward-fn", "test_rewards:vowels", "--stop-token-id", str(stop_id),
+           "--missing-eos-penalty", "2.5", "--response-length", "48", "--total-episodes", "32",
+           "--num-sample-generations", "0", env={"RLOO_TEST_LOG": str(log)})  # fmt: skip
+    calls, metrics = read_log(str(log) + ".0"), read_metrics(tmp_path / "out")
+    saw_both = set()
+    for call, m in zip(calls, metrics):
+        for text in call["completions"]:
+            assert "e" not in text[:-1]  # truncated after the first stop token, which is kept
+            saw_both.add(text.endswith("e"))
+        expected = [s - 2.5 * (not text.endswith("e")) for s, text in zip(call["scores"], call["completions"])]
+        assert m["objective/scores"] == pytest.approx(sum(expected) / len(expected), abs=1e-5)
+    assert saw_both == {True, False}
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_reward_normalization_and_clipping(workdir, tmp_path, normalize):
+    log = tmp_path / "calls"
+    flags = ["--reward-fn", "test_rewards:spread", "--reward-clip-range", "0.5", "--kl-coef", "0.1", *SHORT]
+    launch(workdir, tmp_path / "out", *flags, *(["--normalize-reward"] if normalize else []), env={"RLOO_TEST_LOG": str(log)})
+    call, first = read_log(str(log) + ".0")[0], read_metrics(tmp_path / "out")[0]
+    scores = torch.tensor(call["scores"], dtype=torch.float64)
+    if normalize:
+        scores = (scores - scores.mean()) / (scores.var() + 1e-8).sqrt()  # unbiased variance, over the batch
+    clipped = scores.clamp(-0.5, 0.5)  # clipping applies with or without normalization (TRL: only with)
+    assert first["objective/scores"] == pytest.approx(sum(call["scores"]) / 8)  # the raw score is logged
+    # update 1: policy == reference, so the KL is 0 and the RLHF reward is the clipped score
+    assert first["objective/rlhf_reward"] == pytest.approx(clipped.mean().item(), abs=1e-5)
+
+
+# ---- scale out: ZeRO-3 and DDP on 2 CPU processes
+
+
+ZERO3_FLAGS = ["--sft-model-path", "policy", "--reward-model-path", "reward", "--learning-rate", "1e-3",
+               "--rloo-k", "2", *SHORT]  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def scale_runs(workdir):
+    """The same 2-process run three ways: ZeRO-3 with gathered generation, ZeRO-3 on the sharded model, DDP."""
+    outputs = {}
+    for name, backend, extra in [("zero3", "zero3", []), ("zero3_sharded", "zero3", ["--no-ds3-gather-for-generation"]),
+                                 ("ddp", "ddp", [])]:  # fmt: skip
+        outputs[name] = workdir / f"scale_{name}"
+        launch(workdir, outputs[name], *ZERO3_FLAGS, *extra, backend=backend)
+    return outputs
+
+
+@pytest.mark.parametrize("name", ["zero3", "zero3_sharded", "ddp"])
+def test_two_process_runs_write_every_metric(scale_runs, name):
+    metrics = read_metrics(scale_runs[name])
+    assert [m["episode"] for m in metrics] == [16, 32]  # 2 processes x 8 completions per update
+    for m in metrics:
+        assert set(METRIC_NAMES) <= set(m) and all(math.isfinite(m[n]) for n in METRIC_NAMES)
+
+
+@pytest.mark.parametrize("name", ["zero3", "zero3_sharded"])
+def test_zero3_computes_what_ddp_computes(scale_runs, name):
+    zero3, ddp = read_metrics(scale_runs[name])[0], read_metrics(scale_runs["ddp"])[0]
+    for key in ["objective/scores", "objective/kl", "objective/entropy", "loss/policy_avg", "val/ratio",
+                "policy/clipfrac_avg", "policy/entropy_avg"]:  # fmt: skip
+        assert zero3[key] == pytest.approx(ddp[key], rel=1e-4, abs=1e-5), key
+
+
+def test_zero3_model_reloads_on_one_process_with_ddp_logits(scale_runs):
+    from transformers import AutoModelForCausalLM
+
+    zero3 = AutoModelForCausalLM.from_pretrained(scale_runs["zero3"]).eval()
+    ddp = AutoModelForCausalLM.from_pretrained(scale_runs["ddp"]).eval()
+    ids = torch.randint(0, 256, (3, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(zero3(ids).logits, ddp(ids).logits, rtol=1e-4, atol=1e-4)
+    initial = AutoModelForCausalLM.from_pretrained(scale_runs["zero3"].parent / "policy").eval()
+    with torch.no_grad():
+        assert not torch.allclose(zero3(ids).logits, initial(ids).logits)  # it was trained
+
+
+# ---- never lose a run: validation, checkpoints, resume, preemption, the non-finite guard
+
+
+def run_main(tmp_path, **fields):
+    """rloo.main in this process, for the checks that fire before any model is loaded or trained."""
+    fields.setdefault("output_dir", str(tmp_path / "out"))
+    with pytest.raises(SystemExit) as error:
+        rloo.main(rloo.Args(**fields))
+    return str(error.value.code)
+
+
+def test_bad_flag_exits_with_one_line_and_no_traceback(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "rloo.py"), "--rloo-k", "1", "--output-dir", str(tmp_path / "o")],
+                          capture_output=True, text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))  # fmt: skip
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--rloo-k" in lines[0], proc.stderr
+
+
+@pytest.mark.parametrize(
+    "fields, flag",
+    [
+        (dict(rloo_k=1), "--rloo-k"),
+        (dict(per_device_train_batch_size=6, rloo_k=4), "--rloo-k"),
+        (dict(response_length=0), "--response-length"),
+        (dict(temperature=0.0), "--temperature"),
+        (dict(cliprange=0.0), "--cliprange"),
+        (dict(kl_coef=-0.1), "--kl-coef"),
+        (dict(reward_clip_range=0.0), "--reward-clip-range"),
+        (dict(learning_rate=0.0), "--learning-rate"),
+        (dict(total_episodes=4), "--total-episodes"),
+        (dict(num_mini_batches=0), "--num-mini-batches"),
+        (dict(missing_eos_penalty=1.0), "--missing-eos-penalty"),
+    ],
+)
+def test_flag_validation(tmp_path, fields, flag):
+    assert flag in run_main(tmp_path, **fields)
+    assert not (tmp_path / "out").exists()  # nothing was written
+
+
+def test_model_and_data_validation(workdir, tmp_path):
+    missing = str(tmp_path / "no_such_model")
+    message = run_main(tmp_path, sft_model_path=missing)
+    assert "--sft-model-path" in message and "local directory" in message
+    message = run_main(tmp_path, reward_model_path=missing)
+    assert "--reward-model-path" in message
+    assert "exactly 1" in run_main(tmp_path, reward_model_path=str(workdir / "reward_two_labels"))
+    # a tokenizer without an eos token cannot serve --stop-token eos
+    no_eos = tmp_path / "no_eos"
+    tokenizer = rloo.toy_tokenizer()
+    tokenizer.eos_token = None
+    tokenizer.save_pretrained(no_eos)
+    (no_eos / "config.json").write_text((workdir / "policy" / "config.json").read_text())
+    assert "--stop-token" in run_main(tmp_path, sft_model_path=str(no_eos), stop_token="eos")
+    # datasets: empty, without the field, every prompt too long
+    empty, fieldless, long = tmp_path / "empty.jsonl", tmp_path / "fieldless.jsonl", tmp_path / "long.jsonl"
+    empty.write_text("")
+    fieldless.write_text('{"text": "hello"}\n')
+    long.write_text('{"prompt": "' + "x" * 100 + '"}\n')
+    assert "--dataset-name" in run_main(tmp_path, dataset_name=str(empty))
+    assert "--dataset-text-field" in run_main(tmp_path, dataset_name=str(fieldless))
+    assert "--max-prompt-length" in run_main(tmp_path, dataset_name=str(long), max_prompt_length=50)
+    # an output directory that cannot be written
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    assert "--output-dir" in run_main(tmp_path, output_dir=str(blocker / "sub"))
+
+
+@pytest.mark.parametrize("function, words", [("no_module_here:fn", "cannot import"), ("test_rewards:missing", "cannot import"),
+                                             ("test_rewards:wrong_count", "numbers"), ("test_rewards:not_numbers", "not a number"),
+                                             ("test_rewards:always_nan", "NaN")])  # fmt: skip
+def test_reward_fn_validation(workdir, tmp_path, monkeypatch, function, words):
+    monkeypatch.chdir(workdir)
+    message = run_main(tmp_path, reward_fn=function)
+    assert "--reward-fn" in message and words in message
+
+
+def test_resume_validation(workdir, tmp_path):
+    assert "--resume-from-checkpoint" in run_main(tmp_path, resume_from_checkpoint=str(tmp_path / "nothing"))
+    assert "no complete checkpoint" in run_main(tmp_path, resume_from_checkpoint="latest")
+    launch(workdir, tmp_path / "out", *SHORT)
+    # flags that change what an update computes must match the checkpoint's
+    message = run_main(tmp_path, resume_from_checkpoint="latest", rloo_k=4, response_length=8, total_episodes=32)
+    assert "--rloo-k 2" in message
+    # a checkpoint written by another number of processes is refused
+    state = json.loads((tmp_path / "out" / "checkpoint-4" / "trainer_state.json").read_text())
+    state["world_size"] = 2
+    (tmp_path / "out" / "checkpoint-4" / "trainer_state.json").write_text(json.dumps(state))
+    assert "--num_processes 2" in run_main(tmp_path, resume_from_checkpoint="latest")
+
+
+def test_checkpoint_dirs_ignore_half_written(tmp_path):
+    for name in ["checkpoint-2", "checkpoint-10", "checkpoint-12.tmp", "checkpoint-14"]:
+        (tmp_path / name).mkdir()
+    for name in ["checkpoint-2", "checkpoint-10", "checkpoint-12.tmp"]:
+        (tmp_path / name / "trainer_state.json").write_text("{}")
+    assert [pathlib.Path(d).name for d in rloo.checkpoint_dirs(str(tmp_path))] == ["checkpoint-2", "checkpoint-10"]
+
+
+RESUME_FLAGS = ["--reward-fn", "test_rewards:vowels", "--response-length", "8", "--total-episodes", "48",
+                "--per-device-train-batch-size", "8", "--num-sample-generations", "0", "--save-steps", "2"]  # fmt: skip
+
+
+def assert_resumed_run_matches(full_dir, resumed_dir, exact):
+    full, resumed = read_metrics(full_dir), read_metrics(resumed_dir)
+    assert [m["update"] for m in resumed] == [m["update"] for m in full]  # none missing, none repeated
+    for a, b in zip(full, resumed):
+        for key in ["objective/scores", "objective/kl", "loss/policy_avg"]:
+            assert a[key] == b[key] if exact else a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5)
+    for name, tensor in load_weights(full_dir).items():
+        other = load_weights(resumed_dir)[name]
+        if exact:
+            assert torch.equal(tensor, other), name
+        else:
+            torch.testing.assert_close(tensor, other, rtol=1e-4, atol=1e-5)
+
+
+def test_preempted_run_resumes_bitwise(workdir, tmp_path):
+    launch(workdir, tmp_path / "full", *RESUME_FLAGS)
+    # the reward function sends SIGTERM to its own process during update 3 (call 1 is the start-up check)
+    proc = launch(workdir, tmp_path / "cut", *RESUME_FLAGS, env={"RLOO_TEST_KILL_AT": "4"}, check=False)
+    assert proc.returncode != 0 and "--resume-from-checkpoint latest" in proc.stderr
+    assert [m["update"] for m in read_metrics(tmp_path / "cut")] == [1, 2, 3]
+    assert (tmp_path / "cut" / "checkpoint-3").is_dir() and not (tmp_path / "cut" / "model.safetensors").exists()
+    # a checkpoint left half-written by a kill while saving must be ignored by `latest`
+    (tmp_path / "cut" / "checkpoint-5.tmp").mkdir()
+    launch(workdir, tmp_path / "cut", *RESUME_FLAGS, "--resume-from-checkpoint", "latest")
+    assert_resumed_run_matches(tmp_path / "full", tmp_path / "cut", exact=True)
+
+
+def test_preempted_zero3_run_resumes(workdir, tmp_path):
+    # 2 processes: 16 completions per update, 6 updates
+    flags = [*RESUME_FLAGS, "--sft-model-path", str(workdir / "policy"), "--total-episodes", "96"]
+    launch(workdir, tmp_path / "full", *flags, backend="zero3")
+    proc = launch(workdir, tmp_path / "cut", *flags, backend="zero3", env={"RLOO_TEST_KILL_AT": "4"}, check=False)
+    assert proc.returncode != 0
+    assert [m["update"] for m in read_metrics(tmp_path / "cut")] == [1, 2, 3]
+    launch(workdir, tmp_path / "cut", *flags, "--resume-from-checkpoint", "latest", backend="zero3")
+    assert_resumed_run_matches(tmp_path / "full", tmp_path / "cut", exact=False)
+
+
+def test_non_finite_rewards_trip_the_guard(workdir, tmp_path):
+    flags = ["--reward-fn", "test_rewards:vowels", "--response-length", "8", "--total-episodes", "80",
+             "--num-sample-generations", "0", "--save-steps", "1"]  # fmt: skip
+    proc = launch(workdir, tmp_path / "out", *flags, env={"RLOO_TEST_NAN_FROM": "4"}, check=False)
+    assert proc.returncode != 0 and "non-finite" in proc.stderr
+    assert 'rloo.py", line' not in proc.stderr  # rloo.py's one-line message, no traceback of its own
+    metrics = read_metrics(tmp_path / "out")
+    assert [m["train/skipped_steps"] for m in metrics] == [0, 0, 1, 2, 3]  # updates 3, 4 and 5 got NaN rewards
+    # the skipped updates changed nothing: the final checkpoint holds the weights of the last good update
+    last_good, final = tmp_path / "out" / "checkpoint-2", tmp_path / "out" / "checkpoint-5"
+    for name, tensor in load_weights(last_good).items():
+        assert torch.equal(tensor, load_weights(final)[name]), name
