@@ -26,6 +26,7 @@ leave-one-out baseline -> advantages -> clipped update epochs -> metrics -> chec
 import contextlib
 import glob
 import importlib
+import importlib.util
 import json
 import math
 import os
@@ -427,6 +428,8 @@ def validate_args(args, world_size):
         (args.missing_eos_penalty is None or args.stop_token is not None or args.stop_token_id is not None,
          "--missing-eos-penalty needs a stop token: add --stop-token eos or --stop-token-id"),
         (not (args.reward_fn and args.reward_model_path), "give either --reward-fn or --reward-model-path, not both"),
+        (args.report_to == "none" or importlib.util.find_spec(args.report_to) is not None,
+         f"--report-to {args.report_to}: the package is not installed; pip install {args.report_to}"),
     ]  # fmt: skip
     local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
     checks.append((local_batch_size % args.rloo_k == 0,
@@ -548,6 +551,41 @@ def prepare_frozen(model, accelerator):
     return engine
 
 
+def check_output_dir(output_dir):
+    try:
+        os.makedirs(output_dir, exist_ok=True)
+        probe = os.path.join(output_dir, ".write_test")
+        open(probe, "w").close()
+        os.remove(probe)
+    except OSError as error:
+        raise ArgumentError(f"--output-dir {output_dir}: cannot write there ({error.strerror})") from None
+
+
+def find_checkpoint(args, world_size):
+    """The checkpoint to resume from, and its trainer_state.json, checked against this run's flags."""
+    resume_dir = args.resume_from_checkpoint
+    if resume_dir == "latest":
+        found = checkpoint_dirs(args.output_dir)
+        if not found:
+            raise ArgumentError(f"--resume-from-checkpoint latest: no complete checkpoint in {args.output_dir}")
+        resume_dir = found[-1]
+    if not os.path.exists(os.path.join(resume_dir, "trainer_state.json")):
+        raise ArgumentError(f"--resume-from-checkpoint {resume_dir}: not a checkpoint directory written by rloo.py")
+    with open(os.path.join(resume_dir, "trainer_state.json")) as f:
+        saved = json.load(f)
+    if saved["world_size"] != world_size:
+        raise ArgumentError(f"--resume-from-checkpoint {resume_dir}: written by {saved['world_size']} processes, "
+                            f"this run has {world_size}; launch with --num_processes {saved['world_size']}")  # fmt: skip
+    # flags that change what an update computes must match; the rest (output, logging, saving) may change
+    for field in ("rloo_k", "per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches",
+                  "total_episodes", "response_length", "seed", "sft_model_path", "dataset_name", "token_level_kl"):  # fmt: skip
+        if saved["args"][field] != getattr(args, field) and not (field == "total_episodes" and args.total_episodes is None):
+            flag = "--" + field.replace("_", "-")
+            raise ArgumentError(f"--resume-from-checkpoint {resume_dir}: written with {flag} {saved['args'][field]}, "
+                                f"this run has {getattr(args, field)}; use the same {flag}")  # fmt: skip
+    return resume_dir, saved
+
+
 def checkpoint_dirs(output_dir):
     """Complete checkpoints, oldest first. A checkpoint is written as `*.tmp` and renamed when complete."""
     found = [d for d in glob.glob(os.path.join(output_dir, "checkpoint-*")) if not d.endswith(".tmp")]
@@ -563,7 +601,7 @@ def main(args: Args):
     from accelerate import Accelerator
     from accelerate.utils import DistributedType, InitProcessGroupKwargs
     from tqdm.auto import tqdm
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     # ---- validation: every check that needs no model comes before any model is loaded
     world_size = int(os.environ.get("WORLD_SIZE", 1))
@@ -572,38 +610,15 @@ def main(args: Args):
     args.learning_rate = args.learning_rate or (1e-3 if toy else 3e-6)
     args.run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
     args.output_dir = args.output_dir or os.path.join("runs", args.run_name)
-    try:
-        os.makedirs(args.output_dir, exist_ok=True)
-        with open(os.path.join(args.output_dir, ".write_test"), "w"):
-            pass
-        os.remove(os.path.join(args.output_dir, ".write_test"))
-    except OSError as error:
-        raise ArgumentError(f"--output-dir {args.output_dir}: cannot write there ({error.strerror})") from None
-    resume_dir = None
-    if args.resume_from_checkpoint:
-        resume_dir = args.resume_from_checkpoint
-        if resume_dir == "latest":
-            found = checkpoint_dirs(args.output_dir)
-            if not found:
-                raise ArgumentError(f"--resume-from-checkpoint latest: no complete checkpoint in {args.output_dir}")
-            resume_dir = found[-1]
-        if not os.path.exists(os.path.join(resume_dir, "trainer_state.json")):
-            raise ArgumentError(f"--resume-from-checkpoint {resume_dir}: not a checkpoint directory written by rloo.py")
-        with open(os.path.join(resume_dir, "trainer_state.json")) as f:
-            saved = json.load(f)
-        if saved["world_size"] != world_size:
-            raise ArgumentError(f"--resume-from-checkpoint {resume_dir}: written by {saved['world_size']} processes, "
-                                f"this run has {world_size}; launch with --num_processes {saved['world_size']}")  # fmt: skip
-        # flags that change what one update computes must match; the rest (output, logging) may change
-        keep = ("rloo_k", "per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches",
-                "total_episodes", "response_length", "seed", "sft_model_path", "dataset_name", "token_level_kl")  # fmt: skip
-        for field in keep:
-            if field in saved["args"] and saved["args"][field] != getattr(args, field) and not (
-                field == "total_episodes" and args.total_episodes is None
-            ):
-                flag = "--" + field.replace("_", "-")
-                raise ArgumentError(f"--resume-from-checkpoint {resume_dir}: written with {flag} {saved['args'][field]}, "
-                                    f"this run has {getattr(args, field)}; use the same {flag}")  # fmt: skip
+    check_output_dir(args.output_dir)
+    resume_dir, saved = find_checkpoint(args, world_size) if args.resume_from_checkpoint else (None, None)
+    if not toy:  # configs only: a wrong path fails here, before any weights are read
+        load_pretrained(args.sft_model_path, "--sft-model-path", AutoConfig, args.trust_remote_code)
+    if args.reward_model_path:
+        num_labels = load_pretrained(args.reward_model_path, "--reward-model-path", AutoConfig, args.trust_remote_code).num_labels
+        if num_labels != 1:
+            raise ArgumentError(f"--reward-model-path {args.reward_model_path}: the reward model has {num_labels} "
+                                "output labels; it needs exactly 1")  # fmt: skip
 
     # ---- tokenizer, prompts, reward function
     if toy:
@@ -638,9 +653,6 @@ def main(args: Args):
     if reward_fn is None:
         reward_model = load_pretrained(args.reward_model_path, "--reward-model-path", AutoModelForSequenceClassification,
                                        args.trust_remote_code)  # fmt: skip
-        if reward_model.config.num_labels != 1:
-            raise ArgumentError(f"--reward-model-path {args.reward_model_path}: the reward model has "
-                                f"{reward_model.config.num_labels} output labels; it needs exactly 1")  # fmt: skip
         reward_tokenizer = load_pretrained(args.reward_model_path, "--reward-model-path", AutoTokenizer, args.trust_remote_code)
         if reward_tokenizer.get_vocab() == tokenizer.get_vocab():
             reward_tokenizer = None  # same vocabulary: score the policy's token ids directly
@@ -671,6 +683,7 @@ def main(args: Args):
         ds_config["gradient_clipping"] = args.max_grad_norm
         ds_config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True  # a full state dict to save
         zero3 = ds_config["zero_optimization"]["stage"] == 3
+        import deepspeed
     # batch sizes (TRL's names): completions per update, per process and in all
     local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
     batch_size = local_batch_size * accelerator.num_processes
@@ -771,7 +784,8 @@ def main(args: Args):
         # ---- 1. rollout: sample k completions per prompt
         policy.eval()  # no dropout anyway; eval lets generation use the KV cache under gradient checkpointing
         gather = zero3 and args.ds3_gather_for_generation
-        gathered = deepspeed_gather(policy) if gather else contextlib.nullcontext()
+        # ZeRO-3: gather the full weights once for the whole rollout instead of once per forward
+        gathered = deepspeed.zero.GatheredParameters(list(policy.parameters())) if gather else contextlib.nullcontext()
         responses = []
         with torch.no_grad(), gathered:
             for i in range(0, len(queries), args.local_rollout_forward_batch_size):
@@ -989,13 +1003,6 @@ def main(args: Args):
         print(f"done in {elapsed_before + session:.0f}s: {num_updates} updates, {num_updates * batch_size} episodes; "
               f"mean score {np.mean(history[:tenth]):.3f} (first tenth) -> {np.mean(history[-tenth:]):.3f} "
               f"(last tenth); model saved to {args.output_dir}")  # fmt: skip
-
-
-def deepspeed_gather(model):
-    """Gather a ZeRO-3 model's full weights on every rank, for generation."""
-    import deepspeed
-
-    return deepspeed.zero.GatheredParameters(list(model.parameters()))
 
 
 if __name__ == "__main__":
