@@ -128,7 +128,7 @@ class Args:
     num_ppo_epochs: int = 4
     """passes over each rollout batch"""
     learning_rate: Optional[float] = None
-    """AdamW learning rate, decayed linearly to 0 (default: 1e-3 for the toy policy, 3e-6 for any other)"""
+    """AdamW learning rate, decayed linearly to 0 (default: 1e-3 for the toy policy, TRL's 5e-5 for any other)"""
     cliprange: float = 0.2
     """the PPO clip range epsilon of the probability ratio"""
     max_grad_norm: float = 1.0
@@ -490,27 +490,34 @@ def load_pretrained(path, flag, model_class, trust_remote_code):
 
 def load_prompts(args, tokenizer):
     """Prompts as token-id lists of at most max_prompt_length tokens."""
-    if args.dataset_name is None:
+    path, field = args.dataset_name, args.dataset_text_field
+    if path is None:
         texts = toy_prompts()
+    elif path.endswith(".jsonl"):  # read directly: no need for the datasets library (and its memory) here
+        try:
+            with open(path) as f:
+                records = [json.loads(line) for line in f if line.strip()]
+        except (OSError, ValueError) as error:
+            raise ArgumentError(f"--dataset-name {path}: cannot read it as JSON lines ({first_line(error)})") from None
+        if records and field not in records[0]:
+            raise ArgumentError(f"--dataset-text-field {field}: no such field in {path} (fields: {', '.join(records[0])})")
+        texts = [record[field] for record in records]
     else:
         import datasets
 
-        path = args.dataset_name
         try:
-            if path.endswith(".jsonl") or path.endswith(".json"):
-                dataset = datasets.load_dataset("json", data_files=path, split="train")
-            elif os.path.isdir(path) and os.path.exists(os.path.join(path, "dataset_info.json")):
-                dataset = datasets.load_from_disk(path)
+            if os.path.isdir(path) and os.path.exists(os.path.join(path, "dataset_info.json")):
+                dataset = datasets.load_from_disk(path)  # a directory written by save_to_disk
             else:
                 dataset = datasets.load_dataset(path, split=args.dataset_split)
         except Exception as error:  # datasets raises many kinds; all mean the same to the user
             raise ArgumentError(f"--dataset-name {path}: cannot load it ({first_line(error)})") from None
         if isinstance(dataset, datasets.DatasetDict):
             dataset = dataset[args.dataset_split]
-        if args.dataset_text_field not in dataset.column_names:
-            raise ArgumentError(f"--dataset-text-field {args.dataset_text_field}: no such field in {path} "
+        if field not in dataset.column_names:
+            raise ArgumentError(f"--dataset-text-field {field}: no such field in {path} "
                                 f"(fields: {', '.join(dataset.column_names)})")  # fmt: skip
-        texts = dataset[args.dataset_text_field]
+        texts = dataset[field]
     if len(texts) == 0:
         raise ArgumentError(f"--dataset-name {args.dataset_name}: the dataset is empty")
     prompts = []
@@ -607,7 +614,7 @@ def main(args: Args):
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     validate_args(args, world_size)
     toy = args.sft_model_path is None
-    args.learning_rate = args.learning_rate or (1e-3 if toy else 3e-6)
+    args.learning_rate = args.learning_rate or (1e-3 if toy else 5e-5)
     args.run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
     args.output_dir = args.output_dir or os.path.join("runs", args.run_name)
     check_output_dir(args.output_dir)
@@ -886,14 +893,12 @@ def main(args: Args):
                             else:
                                 skipped_steps += 1  # a non-finite gradient: skip this step and count it
                         optimizer.zero_grad()
-                    with torch.no_grad():
+                    with torch.no_grad():  # sums for the metrics; a term is a sequence, or a real token in token mode
                         ratio_log = log_ratio(new_logprobs, old_logprobs[rows], mask, not args.token_level_kl)
-                        ratio, terms = ratio_log.exp(), (mask.sum() if args.token_level_kl else torch.tensor(len(rows)))
-                        term_mask = mask if args.token_level_kl else torch.ones_like(ratio, dtype=torch.bool)
-                        stats += torch.stack([
-                            loss * terms, clipfrac * terms, 0.5 * (ratio_log**2)[term_mask].sum(), ratio[term_mask].sum(),
-                            (ratio**2)[term_mask].sum(), entropy[mask].sum(), terms.to(device).float(), mask.sum().float(),
-                        ]).detach()  # fmt: skip
+                        term_mask = mask if args.token_level_kl else torch.ones_like(ratio_log, dtype=torch.bool)
+                        ratio, terms = ratio_log.exp()[term_mask], term_mask.sum()
+                        stats += torch.stack([loss * terms, clipfrac * terms, 0.5 * (ratio_log[term_mask] ** 2).sum(),
+                                              ratio.sum(), (ratio**2).sum(), entropy[mask].sum(), terms, mask.sum()])  # fmt: skip
         if not finite:
             skipped_steps += 1
             consecutive_skips += 1
