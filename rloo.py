@@ -4,7 +4,7 @@ Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization f
 For each prompt, sample k completions; each completion's advantage is its reward minus the mean reward of the
 other k-1 completions of the same prompt. No value network, no GAE: one policy, a frozen reference and a reward.
 
-    # the embedded toy task (a tiny random policy learns to write vowels), offline, about two minutes on 2 CPU cores
+    # the embedded toy task (a tiny random policy learns to write vowels): offline, about 20 s on 2 CPU cores
     accelerate launch rloo.py --rloo-k 4
     python rloo.py --rloo-k 4                                        # the same, one process, no launcher
 
@@ -321,20 +321,15 @@ def generate(model, queries, query_mask, response_length, temperature, stop_toke
         tokens.append(token)
         if stop_token_id is not None:
             done = done | (token == stop_token_id)
-            all_done = done.all().float()
-            if (1 - all_reduce_sum(1 - all_done) if synced else all_done).item() == 1:
+            running = (~done).sum()  # one host sync per token, as in HF generate
+            if (all_reduce_sum(running) if synced else running).item() == 0:
                 break
         if len(tokens) == response_length:
             break
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(queries), 1)], 1)
         position_ids = position_ids[:, -1:] + 1
-        output = model(
-            input_ids=token[:, None],
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            cache=output.cache,
-            use_cache=True,
-        )
+        output = model(input_ids=token[:, None], attention_mask=attention_mask, position_ids=position_ids,
+                       cache=output.cache, use_cache=True)  # fmt: skip
     return torch.stack(tokens, 1)  # (N, t <= response_length)
 
 
@@ -906,16 +901,16 @@ def main(args: Args):
             consecutive_skips = 0
         t3 = now()
 
-        # ---- 10. metrics (TRL's names), over real response tokens only, summed over every rank in one reduce
-        num_sequences = float(len(queries))
+        # ---- 10. metrics (TRL's names), over real response tokens only: sums over every rank in one all-reduce,
+        # which also tells every rank whether any of them got a stop signal
         totals = all_reduce_sum(torch.cat([stats, torch.stack([
-            torch.tensor(num_sequences, device=device), sequence_kl.sum(), (-old_logprobs[response_mask]).sum(),
+            torch.tensor(float(len(queries)), device=device), sequence_kl.sum(), (-old_logprobs[response_mask]).sum(),
             raw_scores.sum(), (scores - args.kl_coef * sequence_kl).sum(),
-            ((responses == tokenizer.eos_token_id) & response_mask).sum().float(),
-            response_mask.sum().float(),
+            ((responses == tokenizer.eos_token_id) & response_mask).sum().float(), response_mask.sum().float(),
+            torch.tensor(float(len(stop_signal)), device=device),
         ])]).float()).tolist()  # fmt: skip
         (loss_sum, clip_sum, approxkl_sum, ratio_sum, ratio_sq_sum, entropy_sum, terms_sum, tokens_sum,
-         n_seq, kl_sum, neglogp_sum, score_sum, rlhf_sum, eos_count, response_tokens) = totals  # fmt: skip
+         n_seq, kl_sum, neglogp_sum, score_sum, rlhf_sum, eos_count, response_tokens, stop_signals) = totals  # fmt: skip
         terms_sum, tokens_sum = max(terms_sum, 1.0), max(tokens_sum, 1.0)
         episode = (update + 1) * batch_size
         mean_ratio = ratio_sum / terms_sum
@@ -966,7 +961,7 @@ def main(args: Args):
             accelerator.log(metrics, step=episode)
 
         # ---- checkpoints: periodic, on preemption, and when the guard gives up
-        stop = bool(all_reduce_sum(torch.tensor(float(len(stop_signal)), device=device)) > 0)
+        stop = stop_signals > 0
         too_many_skips = consecutive_skips >= 3
         if (update + 1) % args.save_steps == 0 or update + 1 == num_updates or stop or too_many_skips:
             save_checkpoint(update + 1)

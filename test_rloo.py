@@ -774,7 +774,9 @@ def test_token_level_kl_changes_the_loss(workdir, tmp_path):
 def test_reward_fn_scores_the_completions(workdir, tmp_path):
     log = tmp_path / "calls"
     launch(workdir, tmp_path / "out", "--reward-fn", "test_rewards:vowels", "--rloo-k", "4", *SHORT,
-           env={"RLOO_TEST_LOG": str(log)})  # fmt: skip
+           "--save-steps", "1", "--save-total-limit", "2", env={"RLOO_TEST_LOG": str(log)})  # fmt: skip
+    # a checkpoint after every update, the newest 2 kept
+    assert sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-4"]
     calls, metrics = read_log(str(log) + ".0"), read_metrics(tmp_path / "out")
     assert len(calls) == 4
     for call, m in zip(calls, metrics):
@@ -1019,3 +1021,16 @@ def test_non_finite_rewards_trip_the_guard(workdir, tmp_path):
     last_good, final = tmp_path / "out" / "checkpoint-2", tmp_path / "out" / "checkpoint-5"
     for name, tensor in load_weights(last_good).items():
         assert torch.equal(tensor, load_weights(final)[name]), name
+
+
+def test_chat_prompts_use_the_chat_template(tmp_path):
+    tokenizer = rloo.toy_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "hi there"}]}) + "\n"
+                    + json.dumps({"messages": [{"role": "user", "content": "x" * 300}]}) + "\n")  # fmt: skip
+    args = rloo.Args(dataset_name=str(path), dataset_text_field="messages", max_prompt_length=100)
+    # the template rendered by hand, then tokenized; the 300-byte prompt is over max_prompt_length and left out
+    expected = tokenizer("user: hi there\nassistant:", add_special_tokens=False)["input_ids"]
+    assert len(expected) == len("user: hi there\nassistant:")  # byte-level: one token per byte
+    assert rloo.load_prompts(args, tokenizer) == [expected]
