@@ -257,7 +257,7 @@ def token_level_advantages(scores, kl, response_mask, kl_coef, rloo_k, whiten_re
     if whiten_rewards:
         last = response_mask.sum(1) - 1
         token_rewards = non_score.clone()
-        token_rewards[torch.arange(len(scores)), last] += scores
+        token_rewards[torch.arange(len(scores), device=scores.device), last] += scores
         mean, var = global_mean_var(token_rewards, response_mask)
         scale = torch.rsqrt(var + 1e-8)
         scores = scores * scale
@@ -303,7 +303,7 @@ def get_reward(reward_model, query_responses, attention_mask, last_index):
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
     backbone = getattr(reward_model, reward_model.base_model_prefix)
     hidden = backbone(input_ids=query_responses, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
-    values = reward_model.score(hidden[torch.arange(len(hidden)), last_index])  # (N, 1)
+    values = reward_model.score(hidden[torch.arange(len(hidden), device=hidden.device), last_index.to(hidden.device)])  # (N, 1)
     return values.squeeze(-1).float()
 
 

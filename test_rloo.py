@@ -823,8 +823,9 @@ def test_reward_normalization_and_clipping(workdir, tmp_path, normalize):
 # ---- scale out: ZeRO-3 and DDP on 2 CPU processes
 
 
+# a stop token, so that sampling on the sharded model must also agree across ranks on when to end
 ZERO3_FLAGS = ["--sft-model-path", "policy", "--reward-model-path", "reward", "--learning-rate", "1e-3",
-               "--rloo-k", "2", *SHORT]  # fmt: skip
+               "--rloo-k", "2", "--stop-token", "eos", *SHORT]  # fmt: skip
 
 
 @pytest.fixture(scope="session")
