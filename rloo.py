@@ -553,7 +553,12 @@ def prepare_frozen(model, accelerator):
     return engine
 
 
-def check_output_dir(output_dir):
+def check_output_dir(output_dir, resuming):
+    """The output directory must be writable, and a new run must not overwrite the metrics or checkpoints of
+    another run there."""
+    if not resuming and (os.path.exists(os.path.join(output_dir, "metrics.jsonl")) or checkpoint_dirs(output_dir)):
+        raise ArgumentError(f"--output-dir {output_dir} already holds a run; continue it with "
+                            "--resume-from-checkpoint latest, or choose another --output-dir")  # fmt: skip
     try:
         os.makedirs(output_dir, exist_ok=True)
         probe = os.path.join(output_dir, ".write_test")
@@ -612,7 +617,7 @@ def main(args: Args):
     args.learning_rate = args.learning_rate or (1e-3 if toy else 5e-5)
     args.run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
     args.output_dir = args.output_dir or os.path.join("runs", args.run_name)
-    check_output_dir(args.output_dir)
+    check_output_dir(args.output_dir, resuming=args.resume_from_checkpoint is not None)
     resume_dir, saved = find_checkpoint(args, world_size) if args.resume_from_checkpoint else (None, None)
     if not toy:  # configs only: a wrong path fails here, before any weights are read
         load_pretrained(args.sft_model_path, "--sft-model-path", AutoConfig, args.trust_remote_code)

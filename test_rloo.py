@@ -950,6 +950,9 @@ def test_resume_validation(workdir, tmp_path):
     assert "--resume-from-checkpoint" in run_main(tmp_path, resume_from_checkpoint=str(tmp_path / "nothing"))
     assert "no complete checkpoint" in run_main(tmp_path, resume_from_checkpoint="latest")
     launch(workdir, tmp_path / "out", *SHORT)
+    # a new run may not overwrite the finished one
+    assert "already holds a run" in run_main(tmp_path, response_length=8, total_episodes=32)
+    assert len(read_metrics(tmp_path / "out")) == 4
     # flags that change what an update computes must match the checkpoint's
     message = run_main(tmp_path, resume_from_checkpoint="latest", rloo_k=4, response_length=8, total_episodes=32)
     assert "--rloo-k 2" in message
