@@ -344,6 +344,13 @@ def pad_left(sequences, pad_token_id):
     return input_ids, attention_mask
 
 
+def peak_memory_mib():
+    """Peak memory so far: allocated GPU memory on a GPU, the process's resident set size (RSS) on the CPU."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
 def printable(text, width=60):
     """Control characters and invalid bytes from a random policy, escaped for a terminal."""
     text = repr(text)[1:-1]
@@ -944,6 +951,7 @@ def main(args: Args):
             "time/training": t3 - t2,
             "time/other": t0 - previous_end,
             "time/tokens_per_second": response_tokens / max(t1 - t0, 1e-9),  # generated, over every rank
+            "time/peak_memory_mib": peak_memory_mib(),  # this rank's
         }
         for phase in ("generation", "scoring", "training", "other"):
             phase_totals[phase] += metrics[f"time/{phase}"]
@@ -997,13 +1005,10 @@ def main(args: Args):
         updates_run = num_updates - start_update
         phases = sum(phase_totals[p] for p in ("generation", "scoring", "training", "other"))
         shares = ", ".join(f"{p} {100 * phase_totals[p] / max(phases, 1e-9):.0f}%" for p in ("generation", "scoring", "training", "other"))
-        if torch.cuda.is_available():
-            memory = f"peak GPU memory {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB"
-        else:
-            memory = f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB"
+        memory = "peak GPU memory" if torch.cuda.is_available() else "peak RSS"
         print(f"speed: {updates_run * batch_size / session:.1f} episodes/s, "
               f"{phase_totals['tokens'] / max(phase_totals['generation'], 1e-9):.0f} generated tokens/s while generating, "
-              f"{phases / max(updates_run, 1):.3f} s/update ({shares}); {memory} (rank 0)")  # fmt: skip
+              f"{phases / max(updates_run, 1):.3f} s/update ({shares}); {memory} {peak_memory_mib():.0f} MiB (rank 0)")  # fmt: skip
         tenth = max(1, len(history) // 10)
         print(f"done in {elapsed_before + session:.0f}s: {num_updates} updates, {num_updates * batch_size} episodes; "
               f"mean score {np.mean(history[:tenth]):.3f} (first tenth) -> {np.mean(history[-tenth:]):.3f} "

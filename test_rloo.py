@@ -596,7 +596,7 @@ METRIC_NAMES = [
     "objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward", "objective/scores",
     "policy/approxkl_avg", "policy/clipfrac_avg", "loss/policy_avg", "policy/entropy_avg", "val/ratio",
     "val/ratio_var", "val/num_eos_tokens", "lr", "episode", "eps", "train/skipped_steps",
-    "time/generation", "time/scoring", "time/training", "time/other", "time/tokens_per_second",
+    "time/generation", "time/scoring", "time/training", "time/other", "time/tokens_per_second", "time/peak_memory_mib",
 ]  # fmt: skip
 # a short run: 4 updates of 8 completions, 8 tokens each
 SHORT = ["--response-length", "8", "--total-episodes", "32", "--per-device-train-batch-size", "8",
