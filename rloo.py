@@ -164,10 +164,10 @@ class ArgumentError(SystemExit):
 # small pure helpers
 
 
-def first_true_indices(bools, dtype=torch.long):
+def first_true_indices(bools):
     """Index of the first True in each row of `bools` (N, T); T where a row has none."""
     row_len = bools.size(-1)
-    zero_or_index = row_len * (~bools).type(dtype) + torch.arange(row_len, dtype=dtype, device=bools.device)
+    zero_or_index = row_len * (~bools).long() + torch.arange(row_len, device=bools.device)
     return torch.min(zero_or_index, dim=-1).values
 
 
@@ -250,9 +250,11 @@ def token_level_advantages(scores, kl, response_mask, kl_coef, rloo_k, whiten_re
     """Token-mode advantages (N, T): A_t = LOO(score) - kl_coef * sum_{t' >= t} kl_t'.
 
     Each token pays its own KL and those after it (its return-to-go), while the score gets the leave-one-out
-    baseline. With whiten_rewards the per-token rewards r_t = -kl_coef * kl_t (+ score at the last token) are
-    scaled to unit variance over the real tokens of the global batch, keeping their mean; that affine map is
-    applied to the score and to the KL terms separately, so the formula above still holds."""
+    baseline. With whiten_rewards the per-token rewards r_t = -kl_coef * kl_t (+ score at the last token) become
+    (r_t - mean) / std + mean over the real tokens of the global batch (unit variance, mean kept, as PPO's
+    whitening does): the score is divided by std, and each real token's KL term becomes
+    -kl_coef * kl_t / std + mean * (1 - 1 / std). That constant per token is part of the whitened rewards, so
+    with whitening a longer completion collects it more often."""
     non_score = torch.where(response_mask, -kl_coef * kl, 0.0)  # (N, T)
     if whiten_rewards:
         last = response_mask.sum(1) - 1
@@ -568,7 +570,7 @@ def check_output_dir(output_dir, resuming):
                             "--resume-from-checkpoint latest, or choose another --output-dir")  # fmt: skip
     try:
         os.makedirs(output_dir, exist_ok=True)
-        probe = os.path.join(output_dir, ".write_test")
+        probe = os.path.join(output_dir, f".write_test.{os.getpid()}")  # one per process: ranks run this at once
         open(probe, "w").close()
         os.remove(probe)
     except OSError as error:
@@ -590,10 +592,14 @@ def find_checkpoint(args, world_size):
     if saved["world_size"] != world_size:
         raise ArgumentError(f"--resume-from-checkpoint {resume_dir}: written by {saved['world_size']} processes, "
                             f"this run has {world_size}; launch with --num_processes {saved['world_size']}")  # fmt: skip
-    # flags that change what an update computes must match; the rest (output, logging, saving) may change
+    # flags that set the prompts, their order, the batch and the run's length must match; the others (the loss's
+    # coefficients, output, logging, saving) may change on purpose
+    if args.total_episodes is None:
+        args.total_episodes = saved["args"]["total_episodes"]
     for field in ("rloo_k", "per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches",
-                  "total_episodes", "response_length", "seed", "sft_model_path", "dataset_name", "token_level_kl"):  # fmt: skip
-        if saved["args"][field] != getattr(args, field) and not (field == "total_episodes" and args.total_episodes is None):
+                  "total_episodes", "response_length", "seed", "sft_model_path", "dataset_name", "dataset_split",
+                  "dataset_text_field", "max_prompt_length", "token_level_kl"):  # fmt: skip
+        if saved["args"][field] != getattr(args, field):
             flag = "--" + field.replace("_", "-")
             raise ArgumentError(f"--resume-from-checkpoint {resume_dir}: written with {flag} {saved['args'][field]}, "
                                 f"this run has {getattr(args, field)}; use the same {flag}")  # fmt: skip
@@ -729,6 +735,7 @@ def main(args: Args):
             print(f"resumed from {resume_dir} at update {start_update}")
     else:
         # each rank samples with its own seed, so the ranks' completions differ; fixed seed + world size = same run
+        # (python's and numpy's generators too, for reward functions that use them)
         torch.manual_seed(args.seed + accelerator.process_index)
         random.seed(args.seed + accelerator.process_index)
         np.random.seed(args.seed + accelerator.process_index)
@@ -882,7 +889,7 @@ def main(args: Args):
         # gradient_accumulation_steps micro-batches, one optimizer step per mini-batch
         policy.train()
         stats = torch.zeros(8, device=device)  # sums: loss, clipfrac, approxkl, ratio, ratio^2, entropy, terms, tokens
-        for _ in range(args.num_ppo_epochs if finite else 0):
+        for _ in range(args.num_ppo_epochs if finite else 0):  # no epochs at all when the guard skips the update
             permutation = torch.randperm(local_batch_size, device=device)
             for mini_start in range(0, local_batch_size, mini_batch_size):
                 for micro_start in range(mini_start, mini_start + mini_batch_size, args.per_device_train_batch_size):
@@ -893,13 +900,13 @@ def main(args: Args):
                         mask = response_mask[rows]
                         loss, clipfrac = policy_loss(new_logprobs, old_logprobs[rows], advantages[rows], mask, args.cliprange)
                         accelerator.backward(loss)  # under DeepSpeed this also clips and steps at the boundary
-                        if accelerator.sync_gradients and not deepspeed_engine:
+                        if accelerator.sync_gradients and not deepspeed_engine:  # the last micro-batch
                             grad_norm = accelerator.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-                            if math.isfinite(grad_norm):  # one host sync per optimizer step, not per micro-batch
-                                optimizer.step()
-                            else:
-                                skipped_steps += 1  # a non-finite gradient: skip this step and count it
-                        optimizer.zero_grad()
+                            finite_step = math.isfinite(grad_norm)  # one host sync per optimizer step
+                            if finite_step or accelerator.scaler is not None:
+                                optimizer.step()  # under fp16 the grad scaler itself skips a non-finite step
+                            skipped_steps += int(not finite_step)
+                            optimizer.zero_grad()
                     with torch.no_grad():  # sums for the metrics; a term is a sequence, or a real token in token mode
                         ratio_log = log_ratio(new_logprobs, old_logprobs[rows], mask, not args.token_level_kl)
                         term_mask = mask if args.token_level_kl else torch.ones_like(ratio_log, dtype=torch.bool)
@@ -979,7 +986,7 @@ def main(args: Args):
         if (update + 1) % args.save_steps == 0 or update + 1 == num_updates or stop or too_many_skips:
             save_checkpoint(update + 1)
         if too_many_skips:
-            raise SystemExit(f"rloo.py: stopped at update {update + 1}: non-finite rewards, log-probs or gradients in "
+            raise SystemExit(f"rloo.py: stopped at update {update + 1}: non-finite rewards or log-probs in "
                              f"3 updates in a row (the last good state is in {args.output_dir}/checkpoint-{update + 1}); "
                              "check the reward and lower --learning-rate")  # fmt: skip
         if stop:
