@@ -888,7 +888,8 @@ def main(args: Args):
         # ---- 9. the update: num_ppo_epochs passes, each over num_mini_batches shuffled mini-batches of
         # gradient_accumulation_steps micro-batches, one optimizer step per mini-batch
         policy.train()
-        stats = torch.zeros(8, device=device)  # sums: loss, clipfrac, approxkl, ratio, ratio^2, entropy, terms, tokens
+        # sums for the metrics, reduced over every rank below; a "term" is a sequence, or a real token in token mode
+        sums = dict.fromkeys(["loss", "clipfrac", "approxkl", "ratio", "ratio_sq", "entropy", "terms", "tokens"], 0.0)
         for _ in range(args.num_ppo_epochs if finite else 0):  # no epochs at all when the guard skips the update
             permutation = torch.randperm(local_batch_size, device=device)
             for mini_start in range(0, local_batch_size, mini_batch_size):
@@ -907,12 +908,15 @@ def main(args: Args):
                                 optimizer.step()  # under fp16 the grad scaler itself skips a non-finite step
                             skipped_steps += int(not finite_step)
                             optimizer.zero_grad()
-                    with torch.no_grad():  # sums for the metrics; a term is a sequence, or a real token in token mode
+                    with torch.no_grad():
                         ratio_log = log_ratio(new_logprobs, old_logprobs[rows], mask, not args.token_level_kl)
                         term_mask = mask if args.token_level_kl else torch.ones_like(ratio_log, dtype=torch.bool)
                         ratio, terms = ratio_log.exp()[term_mask], term_mask.sum()
-                        stats += torch.stack([loss * terms, clipfrac * terms, 0.5 * (ratio_log[term_mask] ** 2).sum(),
-                                              ratio.sum(), (ratio**2).sum(), entropy[mask].sum(), terms, mask.sum()])  # fmt: skip
+                        for name, value in [("loss", loss * terms), ("clipfrac", clipfrac * terms),
+                                            ("approxkl", 0.5 * (ratio_log[term_mask] ** 2).sum()), ("ratio", ratio.sum()),
+                                            ("ratio_sq", (ratio**2).sum()), ("entropy", entropy[mask].sum()),
+                                            ("terms", terms), ("tokens", mask.sum())]:  # fmt: skip
+                            sums[name] = sums[name] + value
         if not finite:
             skipped_steps += 1
             consecutive_skips += 1
@@ -922,34 +926,32 @@ def main(args: Args):
 
         # ---- 10. metrics (TRL's names), over real response tokens only: sums over every rank in one all-reduce,
         # which also tells every rank whether any of them got a stop signal
-        totals = all_reduce_sum(torch.cat([stats, torch.stack([
-            torch.tensor(float(len(queries)), device=device), sequence_kl.sum(), (-old_logprobs[response_mask]).sum(),
-            raw_scores.sum(), (scores - args.kl_coef * sequence_kl).sum(),
-            ((responses == tokenizer.eos_token_id) & response_mask).sum().float(), response_mask.sum().float(),
-            torch.tensor(float(len(stop_signal)), device=device),
-        ])]).float()).tolist()  # fmt: skip
-        (loss_sum, clip_sum, approxkl_sum, ratio_sum, ratio_sq_sum, entropy_sum, terms_sum, tokens_sum,
-         n_seq, kl_sum, neglogp_sum, score_sum, rlhf_sum, eos_count, response_tokens, stop_signals) = totals  # fmt: skip
-        terms_sum, tokens_sum = max(terms_sum, 1.0), max(tokens_sum, 1.0)
+        sums.update(sequences=len(queries), kl=sequence_kl.sum(), neglogp=(-old_logprobs[response_mask]).sum(),
+                    scores=raw_scores.sum(), rlhf=(scores - args.kl_coef * sequence_kl).sum(),
+                    eos=((responses == tokenizer.eos_token_id) & response_mask).sum(), generated=response_mask.sum(),
+                    stop_signals=len(stop_signal))  # fmt: skip
+        values = torch.stack([torch.as_tensor(v, dtype=torch.float, device=device) for v in sums.values()])
+        totals = dict(zip(sums, all_reduce_sum(values).tolist()))
+        n_seq, terms, tokens = totals["sequences"], max(totals["terms"], 1.0), max(totals["tokens"], 1.0)
         episode = (update + 1) * batch_size
-        mean_ratio = ratio_sum / terms_sum
+        mean_ratio = totals["ratio"] / terms
         metrics = {
             "update": update + 1,
             "episode": episode,
             "eps": (episode - start_update * batch_size) / max(time.perf_counter() - start_time, 1e-9),
             "lr": lr,
-            "objective/kl": kl_sum / n_seq,
-            "objective/entropy": neglogp_sum / n_seq,
-            "objective/non_score_reward": -args.kl_coef * kl_sum / n_seq,
-            "objective/rlhf_reward": rlhf_sum / n_seq,
-            "objective/scores": score_sum / n_seq,
-            "policy/approxkl_avg": approxkl_sum / terms_sum,
-            "policy/clipfrac_avg": clip_sum / terms_sum,
-            "loss/policy_avg": loss_sum / terms_sum,
-            "policy/entropy_avg": entropy_sum / tokens_sum,
+            "objective/kl": totals["kl"] / n_seq,
+            "objective/entropy": totals["neglogp"] / n_seq,  # of the sampled tokens, summed over each completion
+            "objective/non_score_reward": -args.kl_coef * totals["kl"] / n_seq,
+            "objective/rlhf_reward": totals["rlhf"] / n_seq,
+            "objective/scores": totals["scores"] / n_seq,
+            "policy/approxkl_avg": totals["approxkl"] / terms,
+            "policy/clipfrac_avg": totals["clipfrac"] / terms,
+            "loss/policy_avg": totals["loss"] / terms,
+            "policy/entropy_avg": totals["entropy"] / tokens,  # of the full distribution, per real token
             "val/ratio": mean_ratio,
-            "val/ratio_var": max(ratio_sq_sum / terms_sum - mean_ratio**2, 0.0),
-            "val/num_eos_tokens": eos_count,
+            "val/ratio_var": max(totals["ratio_sq"] / terms - mean_ratio**2, 0.0),
+            "val/num_eos_tokens": totals["eos"],
             "train/skipped_steps": skipped_steps,
             # where this update's time went; "other" is everything since the previous update's training ended
             # (its metrics, logging and checkpoint, then this update's data)
@@ -957,12 +959,12 @@ def main(args: Args):
             "time/scoring": t2 - t1,
             "time/training": t3 - t2,
             "time/other": t0 - previous_end,
-            "time/tokens_per_second": response_tokens / max(t1 - t0, 1e-9),  # generated, over every rank
+            "time/tokens_per_second": totals["generated"] / max(t1 - t0, 1e-9),  # generated, over every rank
             "time/peak_memory_mib": peak_memory_mib(),  # this rank's
         }
         for phase in ("generation", "scoring", "training", "other"):
             phase_totals[phase] += metrics[f"time/{phase}"]
-        phase_totals["tokens"] += response_tokens
+        phase_totals["tokens"] += totals["generated"]
         history.append(metrics["objective/scores"])
         if is_main:
             with open(metrics_path, "a") as f:
@@ -981,7 +983,7 @@ def main(args: Args):
             accelerator.log(metrics, step=episode)
 
         # ---- checkpoints: periodic, on preemption, and when the guard gives up
-        stop = stop_signals > 0
+        stop = totals["stop_signals"] > 0
         too_many_skips = consecutive_skips >= 3
         if (update + 1) % args.save_steps == 0 or update + 1 == num_updates or stop or too_many_skips:
             save_checkpoint(update + 1)

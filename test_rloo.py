@@ -998,7 +998,9 @@ def test_preempted_run_resumes_bitwise(workdir, tmp_path):
     assert (tmp_path / "cut" / "checkpoint-3").is_dir() and not (tmp_path / "cut" / "model.safetensors").exists()
     # a checkpoint left half-written by a kill while saving must be ignored by `latest`
     (tmp_path / "cut" / "checkpoint-5.tmp").mkdir()
-    launch(workdir, tmp_path / "cut", *RESUME_FLAGS, "--resume-from-checkpoint", "latest")
+    # resumed without --total-episodes: the checkpoint's value holds, not num_train_epochs x prompts
+    without_total = [flag for flag in RESUME_FLAGS if flag not in ("--total-episodes", "48")]
+    launch(workdir, tmp_path / "cut", *without_total, "--resume-from-checkpoint", "latest")
     assert_resumed_run_matches(tmp_path / "full", tmp_path / "cut", exact=True)
 
 
