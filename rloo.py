@@ -823,37 +823,35 @@ def main(args: Args):
         attention_mask = torch.cat([query_mask, response_mask.long()], 1)
         t1 = now()
 
-        # ---- 3. log-probs under the policy (the "old" log-probs of the update) and the reference, and 4. the score
+        # ---- 3. log-probs under the policy (the "old" log-probs of the update) and under the reference
+        chunks = [slice(i, i + args.local_rollout_forward_batch_size) for i in range(0, len(queries), args.local_rollout_forward_batch_size)]
         with torch.no_grad():
-            old_logprobs, ref_logprobs, scores = [], [], []
-            for i in range(0, len(queries), args.per_device_train_batch_size):
-                # micro-batches of the training forward's size and code path, so that with one epoch the first ratio is 1
-                rows = slice(i, i + args.per_device_train_batch_size)
-                old_logprobs.append(forward_logprobs(policy, query_responses[rows], attention_mask[rows], context_length, args.temperature)[0])
-            for i in range(0, len(queries), args.local_rollout_forward_batch_size):
-                rows = slice(i, i + args.local_rollout_forward_batch_size)
-                with accelerator.autocast():
-                    ref_logprobs.append(forward_logprobs(ref_policy, query_responses[rows], attention_mask[rows], context_length, args.temperature)[0])
-                    if reward_model is not None and reward_tokenizer is None:
-                        last_index = context_length + response_mask[rows].sum(1) - 1  # the last real token
-                        scores.append(get_reward(unwrapped_reward, query_responses[rows], attention_mask[rows], last_index))
-            old_logprobs, ref_logprobs = torch.cat(old_logprobs), torch.cat(ref_logprobs)  # (k*B, T)
+            # the policy in micro-batches of the training forward's size, through the same code, so that with one
+            # epoch the first ratio is exactly 1
+            micro = args.per_device_train_batch_size
+            old_logprobs = torch.cat([forward_logprobs(policy, query_responses[i : i + micro], attention_mask[i : i + micro],
+                                                       context_length, args.temperature)[0]
+                                      for i in range(0, len(queries), micro)])  # (k*B, T)
+            with accelerator.autocast():
+                ref_logprobs = torch.cat([forward_logprobs(ref_policy, query_responses[rows], attention_mask[rows],
+                                                           context_length, args.temperature)[0] for rows in chunks])  # fmt: skip
+
+            # ---- 4. the score: the reward function on the decoded text, or the reward model at the last real token
             if reward_model is None or reward_tokenizer is not None:
                 prompt_texts = tokenizer.batch_decode(queries, skip_special_tokens=True)
                 completion_texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
             if reward_model is None:
                 scores = torch.tensor(check_scores(reward_fn(prompt_texts, completion_texts), len(queries), args.reward_fn),
                                       dtype=torch.float, device=device)  # fmt: skip
-            elif reward_tokenizer is not None:
-                # a different vocabulary: decode and re-encode prompt + completion with the reward model's tokenizer
-                encoded = [reward_tokenizer(p + c, add_special_tokens=False)["input_ids"] for p, c in zip(prompt_texts, completion_texts)]
-                for i in range(0, len(encoded), args.local_rollout_forward_batch_size):
-                    ids, mask = pad_left(encoded[i : i + args.local_rollout_forward_batch_size], reward_tokenizer.pad_token_id)
-                    with accelerator.autocast():
-                        scores.append(get_reward(unwrapped_reward, ids.to(device), mask.to(device), torch.full((len(ids),), ids.shape[1] - 1)))
-                scores = torch.cat(scores)
             else:
-                scores = torch.cat(scores)  # (k*B,)
+                if reward_tokenizer is None:  # the same vocabulary: the policy's token ids as they are
+                    ids, mask, last_index = query_responses, attention_mask, context_length + response_mask.sum(1) - 1
+                else:  # another vocabulary: prompt + completion re-encoded, left-padded, so the last token is last
+                    encoded = [reward_tokenizer(p + c, add_special_tokens=False)["input_ids"] for p, c in zip(prompt_texts, completion_texts)]
+                    ids, mask = (t.to(device) for t in pad_left(encoded, reward_tokenizer.pad_token_id))
+                    last_index = torch.full((len(ids),), ids.shape[1] - 1, device=device)
+                with accelerator.autocast():
+                    scores = torch.cat([get_reward(unwrapped_reward, ids[rows], mask[rows], last_index[rows]) for rows in chunks])  # (k*B,)
         t2 = now()
 
         # ---- 5. missing-EOS penalty: completions that never produced the stop token lose missing_eos_penalty
