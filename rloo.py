@@ -24,6 +24,7 @@ leave-one-out baseline -> advantages -> clipped update epochs -> metrics -> chec
 """
 
 import contextlib
+import functools
 import glob
 import importlib
 import importlib.util
@@ -653,11 +654,10 @@ def main(args: Args):
             raise ArgumentError("--stop-token eos: the policy's tokenizer has no eos token; give --stop-token-id")
         args.stop_token_id = tokenizer.eos_token_id
     prompts = load_prompts(args, tokenizer)
-    prompt_texts = tokenizer.batch_decode(prompts[:2])
     if args.reward_fn:
-        reward_fn = load_reward_fn(args.reward_fn, prompt_texts)
+        reward_fn = load_reward_fn(args.reward_fn, tokenizer.batch_decode(prompts[:2]))
     elif args.reward_model_path is None:
-        reward_fn = lambda prompts, completions: toy_reward(prompts, completions, args.response_length)  # noqa: E731
+        reward_fn = functools.partial(toy_reward, response_length=args.response_length)
     else:
         reward_fn = None
 
@@ -855,10 +855,10 @@ def main(args: Args):
         t2 = now()
 
         # ---- 5. missing-EOS penalty: completions that never produced the stop token lose missing_eos_penalty
-        contains_stop = (responses == args.stop_token_id).any(1) if args.stop_token_id is not None else None
-        if args.missing_eos_penalty is not None:
+        if args.missing_eos_penalty is not None:  # validate_args made sure a stop token is set
+            contains_stop = ((responses == args.stop_token_id) & response_mask).any(1)
             scores = scores - args.missing_eos_penalty * (~contains_stop).float()
-        raw_scores = scores
+        raw_scores = scores  # what objective/scores logs: before normalization and clipping
         # ---- 6. normalize (optional, over the global batch) and always clip to [-c, c]
         if args.normalize_reward:
             scores = whiten(scores)
@@ -924,13 +924,13 @@ def main(args: Args):
 
         # ---- 10. metrics (TRL's names), over real response tokens only: sums over every rank in one all-reduce,
         # which also tells every rank whether any of them got a stop signal
-        sums.update(sequences=len(queries), kl=sequence_kl.sum(), neglogp=(-old_logprobs[response_mask]).sum(),
+        sums.update(kl=sequence_kl.sum(), neglogp=(-old_logprobs[response_mask]).sum(),
                     scores=raw_scores.sum(), rlhf=(scores - args.kl_coef * sequence_kl).sum(),
                     eos=((responses == tokenizer.eos_token_id) & response_mask).sum(), generated=response_mask.sum(),
                     stop_signals=len(stop_signal))  # fmt: skip
         values = torch.stack([torch.as_tensor(v, dtype=torch.float, device=device) for v in sums.values()])
         totals = dict(zip(sums, all_reduce_sum(values).tolist()))
-        n_seq, terms, tokens = totals["sequences"], max(totals["terms"], 1.0), max(totals["tokens"], 1.0)
+        n_seq, terms, tokens = batch_size, max(totals["terms"], 1.0), max(totals["tokens"], 1.0)  # completions, terms, tokens
         episode = (update + 1) * batch_size
         mean_ratio = totals["ratio"] / terms
         metrics = {
