@@ -19,8 +19,10 @@ other k-1 completions of the same prompt. No value network, no GAE: one policy, 
     # CPUs only: two processes of ZeRO-3 over gloo
     accelerate launch --config_file ds_zero3.yaml --num_processes 2 --mixed_precision no rloo.py
 
-The loop, in order: rollout -> reward -> missing-EOS penalty -> reward normalization and clipping -> KL ->
-leave-one-out baseline -> advantages -> clipped update epochs -> metrics -> checkpoint and save.
+How to read it: `Args` (every flag); the ALGO LOGIC helpers, each with its equation; the toy task; `train`, the
+loop, steps 1-10 in the algorithm's order: rollout -> truncation -> log-probs -> reward -> missing-EOS penalty ->
+reward normalization and clipping -> KL -> leave-one-out advantages -> clipped update epochs -> metrics. Everything
+after the PLUMBING marker (setup, checkpoints, metric reduction, reports) can be skipped on a first read.
 """
 
 import contextlib
@@ -38,14 +40,15 @@ import signal
 import sys
 import time
 import warnings
-from dataclasses import asdict, dataclass
-from typing import Literal, Optional
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Literal, Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import tyro
+from tyro.conf import Suppress
 
 
 @dataclass
@@ -54,30 +57,30 @@ class Args:
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the name of this experiment"""
     run_name: Optional[str] = None
-    """a unique name for this run (default: `{exp_name}__{seed}__{unix time}`)"""
+    """a unique name for this run; None: `{exp_name}__{seed}__{unix time}`"""
     seed: int = 42
     """seed of the run; rank r samples with seed + r"""
     output_dir: Optional[str] = None
-    """where metrics, checkpoints and the final model go (default: `runs/{run_name}`)"""
+    """where metrics, checkpoints and the final model go; None: `runs/{run_name}`"""
     report_to: Literal["none", "tensorboard", "wandb"] = "none"
     """also log metrics to this tracker (through accelerate)"""
     push_to_hub: bool = False
     """push the final model to the Hugging Face hub"""
     hub_model_id: Optional[str] = None
-    """the hub repository to push to (default: the run name)"""
+    """the hub repository to push to; None: the run name"""
 
     # ---- models and data
     sft_model_path: Optional[str] = None
-    """the policy to fine-tune: a hub id or a local directory (default: the embedded toy policy)"""
+    """the policy to fine-tune: a hub id or a local directory; None: the embedded toy policy"""
     reward_model_path: Optional[str] = None
     """the reward model (a sequence classifier with one label): a hub id or a local directory"""
     reward_fn: Optional[str] = None
-    """`module:function` scoring completions instead of a reward model: fn(prompts, completions) -> list[float]
-    (default when there is no reward model: the toy task's vowel reward)"""
+    """`module:function` scoring completions instead of a reward model: fn(prompts, completions) -> list[float];
+    None without a reward model: the toy task's vowel reward"""
     trust_remote_code: bool = False
     """allow models and tokenizers with custom code"""
     dataset_name: Optional[str] = None
-    """prompts: a hub dataset, a local dataset directory or a .jsonl file (default: the toy prompts)"""
+    """prompts: a hub dataset, a local dataset directory or a .jsonl file; None: the toy prompts"""
     dataset_split: str = "train"
     """the split of the dataset to train on"""
     dataset_text_field: str = "prompt"
@@ -117,7 +120,7 @@ class Args:
 
     # ---- optimization
     total_episodes: Optional[int] = None
-    """completions to train on (default: num_train_epochs * number of prompts)"""
+    """completions to train on; None: num_train_epochs x the number of prompts"""
     num_train_epochs: float = 3.0
     """passes over the prompts, when total_episodes is not set"""
     per_device_train_batch_size: int = 8
@@ -129,7 +132,7 @@ class Args:
     num_ppo_epochs: int = 4
     """passes over each rollout batch"""
     learning_rate: Optional[float] = None
-    """AdamW learning rate, decayed linearly to 0 (default: 1e-3 for the toy policy, TRL's 5e-5 for any other)"""
+    """AdamW learning rate, decayed linearly to 0; None: 1e-3 for the toy policy, TRL's 5e-5 for any other"""
     cliprange: float = 0.2
     """the PPO clip range epsilon of the probability ratio"""
     max_grad_norm: float = 1.0
@@ -145,9 +148,24 @@ class Args:
     save_steps: int = 500
     """write a checkpoint every this many updates (and at the end)"""
     save_total_limit: Optional[int] = None
-    """keep only the newest N checkpoints"""
+    """keep only the newest N checkpoints; None: keep all"""
     resume_from_checkpoint: Optional[str] = None
     """continue from a checkpoint directory, or `latest` in output_dir"""
+
+    # ---- derived by resolve_args from the flags above (TRL's names); not set on the command line
+    world_size: Suppress[int] = 1
+    """processes in the run"""
+    local_batch_size: Suppress[int] = 0
+    """completions per update on each process: per_device_train_batch_size x gradient_accumulation_steps x
+    num_mini_batches"""
+    batch_size: Suppress[int] = 0
+    """completions per update, over every process"""
+    local_mini_batch_size: Suppress[int] = 0
+    """completions per optimizer step on each process"""
+    local_dataloader_batch_size: Suppress[int] = 0
+    """prompts per update on each process (B): local_batch_size / rloo_k"""
+    num_total_batches: Suppress[int] = 0
+    """updates in the run: ceil(total_episodes / batch_size)"""
 
 
 # the toy task: lowercase vowels are what the reward counts
@@ -161,8 +179,8 @@ class ArgumentError(SystemExit):
         super().__init__(f"rloo.py: error: {message}")
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# small pure helpers
+# ================================================================================================================
+# ALGO LOGIC: the math of RLOO, one small helper per equation
 
 
 def first_true_indices(bools):
@@ -252,10 +270,8 @@ def token_level_advantages(scores, kl, response_mask, kl_coef, rloo_k, whiten_re
 
     Each token pays its own KL and those after it (its return-to-go), while the score gets the leave-one-out
     baseline. With whiten_rewards the per-token rewards r_t = -kl_coef * kl_t (+ score at the last token) become
-    (r_t - mean) / std + mean over the real tokens of the global batch (unit variance, mean kept, as PPO's
-    whitening does): the score is divided by std, and each real token's KL term becomes
-    -kl_coef * kl_t / std + mean * (1 - 1 / std). That constant per token is part of the whitened rewards, so
-    with whitening a longer completion collects it more often."""
+    (r_t - mean) / std + mean over the real tokens of the global batch: the score is divided by std, and each real
+    token's KL term becomes -kl_coef * kl_t / std + mean * (1 - 1 / std) (README: "Whitening in token mode")."""
     non_score = torch.where(response_mask, -kl_coef * kl, 0.0)  # (N, T)
     if whiten_rewards:
         last = response_mask.sum(1) - 1
@@ -300,13 +316,25 @@ def forward_logprobs(model, query_responses, attention_mask, context_length, tem
     return logprobs_from_logits(logits, query_responses[:, context_length:], temperature, with_entropy)
 
 
+def batched_logprobs(model, query_responses, attention_mask, context_length, temperature, rows):
+    """forward_logprobs in chunks of `rows` completions, concatenated: (N, T)."""
+    chunks = [
+        forward_logprobs(
+            model, query_responses[i : i + rows], attention_mask[i : i + rows], context_length, temperature
+        )
+        for i in range(0, len(query_responses), rows)
+    ]
+    return torch.cat([logprobs for logprobs, _ in chunks])
+
+
 def get_reward(reward_model, query_responses, attention_mask, last_index):
     """The reward model's value at the last real token of each prompt+response: its backbone's hidden states,
     its `score` head, then one position per row (a sequence classifier's own pooling looks for the pad id)."""
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
     backbone = getattr(reward_model, reward_model.base_model_prefix)
-    hidden = backbone(input_ids=query_responses, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
-    values = reward_model.score(hidden[torch.arange(len(hidden), device=hidden.device), last_index.to(hidden.device)])  # (N, 1)
+    hidden = backbone(input_ids=query_responses, attention_mask=attention_mask, position_ids=position_ids)
+    rows = torch.arange(len(query_responses), device=query_responses.device)
+    values = reward_model.score(hidden.last_hidden_state[rows, last_index.to(rows.device)])  # (N, 1)
     return values.squeeze(-1).float()
 
 
@@ -316,7 +344,9 @@ def generate(model, queries, query_mask, response_length, temperature, stop_toke
     top-p. Rows that produced the stop token get pad afterwards; sampling ends once every row has stopped (on
     every rank when `synced`: a ZeRO-3 sharded model needs all ranks in each forward)."""
     position_ids = (query_mask.cumsum(1) - 1).clamp(min=0)
-    output = model(input_ids=queries, attention_mask=query_mask, position_ids=position_ids, use_cache=True, logits_to_keep=1)
+    output = model(
+        input_ids=queries, attention_mask=query_mask, position_ids=position_ids, use_cache=True, logits_to_keep=1
+    )
     attention_mask, done, tokens = query_mask, torch.zeros(len(queries), dtype=torch.bool, device=queries.device), []
     for _ in range(response_length):
         probs = torch.softmax(output.logits[:, -1].float() / temperature, dim=-1)
@@ -331,9 +361,63 @@ def generate(model, queries, query_mask, response_length, temperature, stop_toke
             break
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(queries), 1)], 1)
         position_ids = position_ids[:, -1:] + 1
-        output = model(input_ids=token[:, None], attention_mask=attention_mask, position_ids=position_ids,
-                       cache=output.cache, use_cache=True)  # fmt: skip
+        output = model(
+            input_ids=token[:, None],
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=output.cache,
+            use_cache=True,
+        )
     return torch.stack(tokens, 1)  # (N, t <= response_length)
+
+
+def rollout(model, queries, query_mask, args, pad_token_id, synced):
+    """Step 1: completions (N, response_length) for every query row, `local_rollout_forward_batch_size` rows per
+    generate call, padded to response_length."""
+    responses = []
+    for i in range(0, len(queries), args.local_rollout_forward_batch_size):
+        rows = slice(i, i + args.local_rollout_forward_batch_size)
+        tokens = generate(
+            model,
+            queries[rows],
+            query_mask[rows],
+            args.response_length,
+            args.temperature,
+            args.stop_token_id,
+            pad_token_id,
+            synced,
+        )
+        responses.append(F.pad(tokens, (0, args.response_length - tokens.shape[1]), value=pad_token_id))
+    return torch.cat(responses)
+
+
+def score_completions(run, query_responses, attention_mask, context_length, response_mask):
+    """Step 4, the score of each completion (k*B,): the reward function on the decoded text, or the reward model
+    at the last real token (on the policy's token ids when the vocabularies agree, else re-encoded)."""
+    queries, responses = query_responses[:, :context_length], query_responses[:, context_length:]
+    if run.reward_model is None or run.reward_tokenizer is not None:
+        prompt_texts = run.tokenizer.batch_decode(queries, skip_special_tokens=True)
+        completion_texts = run.tokenizer.batch_decode(responses, skip_special_tokens=True)
+    device, chunk = query_responses.device, run.args.local_rollout_forward_batch_size
+    if run.reward_model is None:
+        scores = check_scores(run.reward_fn(prompt_texts, completion_texts), len(queries), run.args.reward_fn)
+        return torch.tensor(scores, dtype=torch.float, device=device)
+    if run.reward_tokenizer is None:  # the same vocabulary: the policy's token ids as they are
+        ids, mask, last_index = query_responses, attention_mask, context_length + response_mask.sum(1) - 1
+    else:  # another vocabulary: prompt + completion re-encoded, left-padded, so the last token is last
+        encoded = [
+            run.reward_tokenizer(p + c, add_special_tokens=False)["input_ids"]
+            for p, c in zip(prompt_texts, completion_texts)
+        ]
+        ids, mask = (t.to(device) for t in pad_left(encoded, run.reward_tokenizer.pad_token_id))
+        last_index = torch.full((len(ids),), ids.shape[1] - 1, device=device)
+    reward_model = run.accelerator.unwrap_model(run.reward_model)
+    with run.accelerator.autocast():
+        values = [
+            get_reward(reward_model, ids[i : i + chunk], mask[i : i + chunk], last_index[i : i + chunk])
+            for i in range(0, len(ids), chunk)
+        ]
+    return torch.cat(values)  # (k*B,)
 
 
 def pad_left(sequences, pad_token_id):
@@ -347,20 +431,7 @@ def pad_left(sequences, pad_token_id):
     return input_ids, attention_mask
 
 
-def peak_memory_mib():
-    """Peak memory so far: allocated GPU memory on a GPU, the process's resident set size (RSS) on the CPU."""
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
-
-
-def printable(text, width=60):
-    """Control characters and invalid bytes from a random policy, escaped for a terminal."""
-    text = repr(text)[1:-1]
-    return text if len(text) <= width else text[: width - 3] + "..."
-
-
-# ----------------------------------------------------------------------------------------------------------------
+# ================================================================================================================
 # the embedded toy task: nothing to download
 
 
@@ -383,21 +454,58 @@ def toy_policy(tokenizer, seed):
     from transformers import AutoModelForCausalLM, GPTNeoXConfig
 
     config = GPTNeoXConfig(
-        vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=256, max_position_embeddings=512, pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id,
-    )  # fmt: skip
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=256,
+        max_position_embeddings=512,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.eos_token_id,
+    )
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config)
 
 
 def toy_prompts():
     """256 short prompts: 16 openings x 16 subjects."""
-    openings = ["Say something about", "Describe", "Write a line on", "Tell me of", "A word on", "Sing of",
-                "Think about", "Remember", "Imagine", "Praise", "Name", "Dream of", "Talk about", "Draw",
-                "Explain", "Recall"]  # fmt: skip
-    subjects = ["the sea", "a cat", "the moon", "old trees", "rain", "a city", "bread", "the wind", "snow",
-                "a river", "music", "stars", "a garden", "fire", "the road", "winter"]  # fmt: skip
+    openings = [
+        "Say something about",
+        "Describe",
+        "Write a line on",
+        "Tell me of",
+        "A word on",
+        "Sing of",
+        "Think about",
+        "Remember",
+        "Imagine",
+        "Praise",
+        "Name",
+        "Dream of",
+        "Talk about",
+        "Draw",
+        "Explain",
+        "Recall",
+    ]
+    subjects = [
+        "the sea",
+        "a cat",
+        "the moon",
+        "old trees",
+        "rain",
+        "a city",
+        "bread",
+        "the wind",
+        "snow",
+        "a river",
+        "music",
+        "stars",
+        "a garden",
+        "fire",
+        "the road",
+        "winter",
+    ]
     return [f"{opening} {subject}:" for opening in openings for subject in subjects]
 
 
@@ -409,12 +517,228 @@ def toy_reward(prompts, completions, response_length=53):
     return [10.0 * sum(c in TOY_VOWELS for c in completion) / response_length for completion in completions]
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# setup: validation, models, data
+# ================================================================================================================
+# the loop
 
 
-def validate_args(args, world_size):
-    """Every flag check that needs no model: a one-line error naming the flag and what would be valid."""
+def main(args: Args):
+    run = setup(args)  # validation, tokenizer, prompts, reward, models, accelerator, optimizer, resume
+    train(run)
+    save_final_model(run)
+
+
+def train(run):
+    """RLOO, one iteration per update: steps 1-10 in the algorithm's order. Shapes: B prompts per process,
+    k = rloo_k completions each, P prompt tokens (left-padded), T response tokens."""
+    args, accelerator, policy, tokenizer = run.args, run.accelerator, run.policy, run.tokenizer
+    device, pad_token_id, micro = accelerator.device, tokenizer.pad_token_id, args.per_device_train_batch_size
+    for update in progress(run):
+        lr = args.learning_rate * (1.0 - update / args.num_total_batches)  # linear decay to 0 over the run
+        for group in run.optimizer.param_groups:
+            group["lr"] = lr
+
+        # ---- data: B prompts per process, repeated k times k-major (row i*B + j is sample i of prompt j)
+        queries, query_mask = next_queries(args, run.prompts, update, accelerator.process_index, pad_token_id)
+        queries, query_mask = queries.to(device), query_mask.to(device)  # (k*B, P)
+        context_length = queries.shape[1]
+        t0 = now()
+
+        # ---- 1. rollout: sample k completions per prompt (ZeRO-3: with the full weights gathered once)
+        policy.eval()  # no dropout anyway; eval lets generation use the KV cache under gradient checkpointing
+        with torch.no_grad(), generation_context(run) as (model, synced):
+            responses = rollout(model, queries, query_mask, args, pad_token_id, synced)  # (k*B, response_length)
+        # ---- 2. truncate after the stop token; then drop the columns where every completion had stopped
+        responses, response_mask = truncate_response(responses, args.stop_token_id, pad_token_id)
+        T = int(response_mask.sum(1).max())
+        responses, response_mask = responses[:, :T], response_mask[:, :T]  # (k*B, T)
+        query_responses = torch.cat([queries, responses], 1)  # (k*B, P + T)
+        attention_mask = torch.cat([query_mask, response_mask.long()], 1)
+        t1 = now()
+
+        with torch.no_grad():
+            # ---- 3. log-probs under the policy (the update's "old" log-probs) and under the reference; the
+            # policy's in micro-batches of the training forward's size, so that with one epoch the first ratio is 1
+            old_logprobs = batched_logprobs(
+                policy, query_responses, attention_mask, context_length, args.temperature, micro
+            )  # (k*B, T)
+            with accelerator.autocast():
+                ref_logprobs = batched_logprobs(
+                    run.ref_policy,
+                    query_responses,
+                    attention_mask,
+                    context_length,
+                    args.temperature,
+                    args.local_rollout_forward_batch_size,
+                )
+            # ---- 4. the score of each completion: reward function or reward model
+            scores = score_completions(run, query_responses, attention_mask, context_length, response_mask)  # (k*B,)
+        t2 = now()
+
+        # ---- 5. missing-EOS penalty: completions that never produced the stop token lose missing_eos_penalty
+        if args.missing_eos_penalty is not None:  # validate_args made sure a stop token is set
+            contains_stop = ((responses == args.stop_token_id) & response_mask).any(1)
+            scores = scores - args.missing_eos_penalty * (~contains_stop).float()
+        raw_scores = scores  # what objective/scores logs: before normalization and clipping
+        # ---- 6. normalize (optional, over the global batch) and always clip to [-c, c]
+        if args.normalize_reward:
+            scores = whiten(scores)
+        scores = scores.clamp(-args.reward_clip_range, args.reward_clip_range)
+
+        # ---- 7. KL to the reference, per token, and 8. the leave-one-out advantages
+        kl = torch.where(response_mask, old_logprobs - ref_logprobs, 0.0)  # (k*B, T)
+        sequence_kl = kl.sum(1)  # (k*B,)
+        if args.token_level_kl:
+            advantages = token_level_advantages(
+                scores, kl, response_mask, args.kl_coef, args.rloo_k, args.whiten_rewards
+            )
+            if args.normalize_advantage:
+                advantages = torch.where(response_mask, whiten(advantages, response_mask), 0.0)  # (k*B, T)
+        else:
+            rewards = scores - args.kl_coef * sequence_kl  # the KL penalty is part of the sequence's reward
+            if args.whiten_rewards:
+                rewards = whiten(rewards, shift_mean=False)
+            advantages = rloo_advantages(rewards, args.rloo_k)  # (k*B,)
+            if args.normalize_advantage:
+                advantages = whiten(advantages)
+
+        # ---- non-finite guard: a NaN or inf anywhere in the rollout (a reward, a log-prob) skips this update
+        finite = torch.isfinite(advantages).all() & torch.isfinite(old_logprobs[response_mask]).all()
+        finite = bool(all_reduce_sum((~finite).float()) == 0)  # every rank skips, or none
+
+        # ---- 9. the update: num_ppo_epochs passes, each over num_mini_batches shuffled mini-batches of
+        # gradient_accumulation_steps micro-batches, one optimizer step per mini-batch
+        policy.train()
+        stats = dict.fromkeys(STAT_NAMES, 0.0)  # sums for the metrics, reduced over every rank in step 10
+        for _ in range(args.num_ppo_epochs if finite else 0):  # no epochs at all when the guard skips the update
+            permutation = torch.randperm(args.local_batch_size, device=device)
+            for start in range(0, args.local_batch_size, micro):  # micro-batches; mini-batches are consecutive runs
+                rows = permutation[start : start + micro]
+                with accelerator.accumulate(policy):
+                    new_logprobs, entropy = forward_logprobs(
+                        policy,
+                        query_responses[rows],
+                        attention_mask[rows],
+                        context_length,
+                        args.temperature,
+                        with_entropy=True,
+                    )
+                    loss, clipfrac = policy_loss(
+                        new_logprobs, old_logprobs[rows], advantages[rows], response_mask[rows], args.cliprange
+                    )
+                    accelerator.backward(loss)  # under DeepSpeed this also clips and steps at the boundary
+                    run.skipped_steps += optimizer_step(run)  # at the mini-batch's last micro-batch only
+                add_stats(
+                    stats,
+                    loss,
+                    clipfrac,
+                    new_logprobs,
+                    old_logprobs[rows],
+                    entropy,
+                    response_mask[rows],
+                    args.token_level_kl,
+                )
+        run.skipped_steps += int(not finite)
+        run.consecutive_skips = 0 if finite else run.consecutive_skips + 1
+        t3 = now()
+
+        # ---- 10. metrics (TRL's names), over real response tokens only, summed over every rank in one all-reduce
+        stats.update(
+            kl=sequence_kl.sum(),
+            neglogp=(-old_logprobs[response_mask]).sum(),
+            scores=raw_scores.sum(),
+            rlhf=(scores - args.kl_coef * sequence_kl).sum(),
+            generated=response_mask.sum(),
+            eos=((responses == tokenizer.eos_token_id) & response_mask).sum(),
+        )
+        metrics, stopping = update_metrics(run, update, stats, lr, (t0, t1, t2, t3))
+        log_update(run, update, metrics, query_responses[:4, :context_length], responses[:4], raw_scores[:4])
+        end_of_update(run, update, stopping)
+        run.previous_end = t3
+
+
+# ================================================================================================================
+# PLUMBING: setup, validation, data, checkpoints, metrics and reports. Skip this on a first read: nothing below
+# changes what an update computes.
+
+
+@dataclass
+class Run:
+    """What setup() hands the loop, and the counters the loop keeps across updates."""
+
+    args: Args
+    accelerator: Any
+    tokenizer: Any
+    prompts: list  # token-id lists
+    policy: Any  # what trains: the model wrapped by accelerate (a DeepSpeed engine, DDP, or the model itself)
+    ref_policy: Any
+    optimizer: Any
+    reward_fn: Any = None
+    reward_model: Any = None
+    reward_tokenizer: Any = None  # None: the reward model reads the policy's token ids
+    zero3: bool = False
+    deepspeed: bool = False
+    start_update: int = 0
+    history: list = field(default_factory=list)  # objective/scores of every update
+    elapsed_before: float = 0.0  # seconds of training before a resume
+    skipped_steps: int = 0
+    consecutive_skips: int = 0
+    stop_signals: list = field(default_factory=list)  # SIGTERM / SIGINT received
+    start_time: float = 0.0
+    previous_end: float = 0.0
+    phase_totals: dict = field(default_factory=lambda: dict.fromkeys(PHASES + ("tokens",), 0.0))
+
+
+PHASES = ("generation", "scoring", "training", "other")
+STAT_NAMES = ("loss", "clipfrac", "approxkl", "ratio", "ratio_sq", "entropy", "terms", "tokens")
+
+
+def setup(args):
+    """Everything the loop needs, checked in order of cost: flags, then tokenizer, prompts and reward function,
+    then the output directory and checkpoint, and only then the models."""
+    warnings.filterwarnings("ignore", message=".*is deprecated. Please use `torch.distributed")  # DeepSpeed's calls
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    validate_args(args)
+    check_model_configs(args)
+    tokenizer = load_tokenizer(args)
+    prompts = load_prompts(args, tokenizer)
+    resume_dir, saved = find_checkpoint(args, world_size) if args.resume_from_checkpoint else (None, None)
+    args = resolve_args(args, world_size, tokenizer, len(prompts), saved)
+    check_output_dir(args.output_dir, resuming=resume_dir is not None)
+    if saved is not None:
+        check_checkpoint_args(args, saved, resume_dir)
+    if args.reward_fn:
+        reward_fn = load_reward_fn(args.reward_fn, tokenizer.batch_decode(prompts[:2]))
+    else:
+        reward_fn = functools.partial(toy_reward, response_length=args.response_length)
+    policy, ref_policy, reward_model, reward_tokenizer = load_models(args, tokenizer)
+    accelerator, zero3 = make_accelerator(args)
+    deepspeed = accelerator.distributed_type == "DEEPSPEED"
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, eps=1e-8, weight_decay=0.0)
+    policy, optimizer = accelerator.prepare(policy, optimizer)
+    run = Run(
+        args,
+        accelerator,
+        tokenizer,
+        prompts,
+        policy,
+        prepare_frozen(ref_policy, accelerator),
+        optimizer,
+        reward_fn=None if reward_model is not None else reward_fn,
+        reward_tokenizer=reward_tokenizer,
+        reward_model=prepare_frozen(reward_model, accelerator) if reward_model is not None else None,
+        zero3=zero3,
+        deepspeed=deepspeed,
+    )
+    if args.report_to != "none":
+        accelerator.init_trackers(args.exp_name, config=asdict(args))
+    resume_or_seed(run, resume_dir, saved)
+    for signum in (signal.SIGTERM, signal.SIGINT):  # preemption: finish the update, checkpoint, exit
+        signal.signal(signum, lambda number, frame: run.stop_signals.append(number))
+    return run
+
+
+def validate_args(args):
+    """Every flag check that needs no model and no data: a one-line error naming the flag and what is valid."""
     checks = [
         (args.rloo_k >= 2, f"--rloo-k must be at least 2 (got {args.rloo_k}): the baseline needs another sample"),
         (args.response_length >= 1, f"--response-length must be at least 1 (got {args.response_length})"),
@@ -422,31 +746,73 @@ def validate_args(args, world_size):
         (args.cliprange > 0, f"--cliprange must be positive (got {args.cliprange})"),
         (args.kl_coef >= 0, f"--kl-coef must be 0 or more (got {args.kl_coef})"),
         (args.reward_clip_range > 0, f"--reward-clip-range must be positive (got {args.reward_clip_range})"),
-        (args.learning_rate is None or args.learning_rate > 0,
-         f"--learning-rate must be positive (got {args.learning_rate})"),
+        (
+            args.learning_rate is None or args.learning_rate > 0,
+            f"--learning-rate must be positive (got {args.learning_rate})",
+        ),
         (args.per_device_train_batch_size >= 1, "--per-device-train-batch-size must be at least 1"),
         (args.gradient_accumulation_steps >= 1, "--gradient-accumulation-steps must be at least 1"),
         (args.num_mini_batches >= 1, "--num-mini-batches must be at least 1"),
         (args.num_ppo_epochs >= 1, "--num-ppo-epochs must be at least 1"),
         (args.local_rollout_forward_batch_size >= 1, "--local-rollout-forward-batch-size must be at least 1"),
         (args.save_steps >= 1, f"--save-steps must be at least 1 (got {args.save_steps})"),
-        (args.missing_eos_penalty is None or args.stop_token is not None or args.stop_token_id is not None,
-         "--missing-eos-penalty needs a stop token: add --stop-token eos or --stop-token-id"),
+        (
+            args.missing_eos_penalty is None or args.stop_token is not None or args.stop_token_id is not None,
+            "--missing-eos-penalty needs a stop token: add --stop-token eos or --stop-token-id",
+        ),
         (not (args.reward_fn and args.reward_model_path), "give either --reward-fn or --reward-model-path, not both"),
-        (args.report_to == "none" or importlib.util.find_spec(args.report_to) is not None,
-         f"--report-to {args.report_to}: the package is not installed; pip install {args.report_to}"),
-    ]  # fmt: skip
-    local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
-    checks.append((local_batch_size % args.rloo_k == 0,
-                   f"the per-process batch (--per-device-train-batch-size x --gradient-accumulation-steps x "
-                   f"--num-mini-batches = {local_batch_size}) must be divisible by --rloo-k {args.rloo_k}"))  # fmt: skip
-    if args.total_episodes is not None:
-        checks.append((args.total_episodes >= local_batch_size * world_size,
-                       f"--total-episodes {args.total_episodes} is less than one update "
-                       f"({local_batch_size * world_size} completions on {world_size} processes)"))  # fmt: skip
+        (
+            args.report_to == "none" or importlib.util.find_spec(args.report_to) is not None,
+            f"--report-to {args.report_to}: the package is not installed; pip install {args.report_to}",
+        ),
+    ]
     for ok, message in checks:
         if not ok:
             raise ArgumentError(message)
+
+
+def resolve_args(args, world_size, tokenizer, num_prompts, saved=None):
+    """The one place where the parsed flags become the run's settings: defaults that depend on the run, the stop
+    token, the batch sizes and the number of updates. Nothing else changes `args`."""
+    toy = args.sft_model_path is None
+    run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    if args.stop_token == "eos" and tokenizer.eos_token_id is None:
+        raise ArgumentError("--stop-token eos: the policy's tokenizer has no eos token; give --stop-token-id")
+    # a resumed run keeps the checkpoint's length, unless the flag says otherwise (and then it must agree)
+    total_episodes = (
+        args.total_episodes if args.total_episodes is not None or not saved else saved["args"]["total_episodes"]
+    )
+    local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
+    args = replace(
+        args,
+        run_name=run_name,
+        output_dir=args.output_dir or os.path.join("runs", run_name),
+        learning_rate=args.learning_rate or (1e-3 if toy else 5e-5),
+        stop_token_id=tokenizer.eos_token_id if args.stop_token == "eos" else args.stop_token_id,
+        total_episodes=int(args.num_train_epochs * num_prompts) if total_episodes is None else total_episodes,
+        world_size=world_size,
+        local_batch_size=local_batch_size,
+        batch_size=local_batch_size * world_size,
+        local_mini_batch_size=local_batch_size // args.num_mini_batches,
+        local_dataloader_batch_size=local_batch_size // args.rloo_k,
+    )
+    args = replace(args, num_total_batches=math.ceil(args.total_episodes / args.batch_size))
+    if local_batch_size % args.rloo_k:
+        raise ArgumentError(
+            f"the per-process batch (--per-device-train-batch-size x --gradient-accumulation-steps x "
+            f"--num-mini-batches = {local_batch_size}) must be divisible by --rloo-k {args.rloo_k}"
+        )
+    if args.total_episodes < args.batch_size:
+        raise ArgumentError(
+            f"--total-episodes {args.total_episodes} is less than one update "
+            f"({args.batch_size} completions on {world_size} processes)"
+        )
+    if num_prompts < args.local_dataloader_batch_size * world_size:
+        raise ArgumentError(
+            f"--dataset-name: {num_prompts} prompts are fewer than one update needs "
+            f"({args.local_dataloader_batch_size * world_size}); lower --per-device-train-batch-size"
+        )
+    return args
 
 
 def load_reward_fn(spec, prompts):
@@ -486,16 +852,45 @@ def load_pretrained(path, flag, model_class, trust_remote_code):
         return model_class.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as error:
         offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false")
-        where = "a local directory" if os.path.isdir(path) else ("the hub is off (HF_HUB_OFFLINE)" if offline else "a hub id")
+        hub = "the hub is off (HF_HUB_OFFLINE)" if offline else "a hub id"
+        where = "a local directory" if os.path.isdir(path) else hub
         raise ArgumentError(
             f"{flag} {path}: no model could be loaded ({where}: {first_line(error)}); "
             "offline runs need a local directory written by save_pretrained"
         ) from None
 
 
+def check_model_configs(args):
+    """Configs only: a wrong model path fails here, before any weights are read."""
+    from transformers import AutoConfig
+
+    if args.sft_model_path is not None:
+        load_pretrained(args.sft_model_path, "--sft-model-path", AutoConfig, args.trust_remote_code)
+    if args.reward_model_path:
+        config = load_pretrained(args.reward_model_path, "--reward-model-path", AutoConfig, args.trust_remote_code)
+        if config.num_labels != 1:
+            raise ArgumentError(
+                f"--reward-model-path {args.reward_model_path}: the reward model has "
+                f"{config.num_labels} output labels; it needs exactly 1"
+            )
+
+
+def load_tokenizer(args):
+    """The policy's tokenizer, left-padding (generation appends on the right)."""
+    from transformers import AutoTokenizer
+
+    if args.sft_model_path is None:
+        return toy_tokenizer()
+    tokenizer = load_pretrained(args.sft_model_path, "--sft-model-path", AutoTokenizer, args.trust_remote_code)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token  # fine here: masks come from positions, never from the pad id
+    return tokenizer
+
+
 def load_prompts(args, tokenizer):
     """Prompts as token-id lists of at most max_prompt_length tokens."""
-    path, field = args.dataset_name, args.dataset_text_field
+    path, field_name = args.dataset_name, args.dataset_text_field
     if path is None:
         texts = toy_prompts()
     elif path.endswith(".jsonl"):  # read directly: no need for the datasets library (and its memory) here
@@ -504,9 +899,11 @@ def load_prompts(args, tokenizer):
                 records = [json.loads(line) for line in f if line.strip()]
         except (OSError, ValueError) as error:
             raise ArgumentError(f"--dataset-name {path}: cannot read it as JSON lines ({first_line(error)})") from None
-        if records and field not in records[0]:
-            raise ArgumentError(f"--dataset-text-field {field}: no such field in {path} (fields: {', '.join(records[0])})")
-        texts = [record[field] for record in records]
+        if records and field_name not in records[0]:
+            raise ArgumentError(
+                f"--dataset-text-field {field_name}: no such field in {path} (fields: {', '.join(records[0])})"
+            )
+        texts = [record[field_name] for record in records]
     else:
         import datasets
 
@@ -519,10 +916,12 @@ def load_prompts(args, tokenizer):
             raise ArgumentError(f"--dataset-name {path}: cannot load it ({first_line(error)})") from None
         if isinstance(dataset, datasets.DatasetDict):
             dataset = dataset[args.dataset_split]
-        if field not in dataset.column_names:
-            raise ArgumentError(f"--dataset-text-field {field}: no such field in {path} "
-                                f"(fields: {', '.join(dataset.column_names)})")  # fmt: skip
-        texts = dataset[field]
+        if field_name not in dataset.column_names:
+            raise ArgumentError(
+                f"--dataset-text-field {field_name}: no such field in {path} "
+                f"(fields: {', '.join(dataset.column_names)})"
+            )
+        texts = dataset[field_name]
     if len(texts) == 0:
         raise ArgumentError(f"--dataset-name {args.dataset_name}: the dataset is empty")
     prompts = []
@@ -535,14 +934,72 @@ def load_prompts(args, tokenizer):
         if 0 < len(ids) <= args.max_prompt_length:
             prompts.append(list(ids))
     if not prompts:
-        raise ArgumentError(f"--max-prompt-length {args.max_prompt_length}: every prompt is longer (or empty); raise it")
+        raise ArgumentError(
+            f"--max-prompt-length {args.max_prompt_length}: every prompt is longer (or empty); raise it"
+        )
     return prompts
+
+
+def load_models(args, tokenizer):
+    """Policy, reference, reward model and its tokenizer (None when it shares the policy's vocabulary). They load
+    before the Accelerator, so every rank gets the same full weights, which the DeepSpeed engines then shard (after
+    Accelerator() under a ZeRO-3 plugin, from_pretrained would shard while loading)."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    if args.sft_model_path is None:
+        policy = toy_policy(tokenizer, args.seed)
+        ref_policy = toy_policy(tokenizer, args.seed)  # the same seed: the same initial weights
+    else:
+        load = functools.partial(load_pretrained, args.sft_model_path, "--sft-model-path", AutoModelForCausalLM)
+        policy, ref_policy = load(args.trust_remote_code), load(args.trust_remote_code)
+    reward_model, reward_tokenizer = None, None
+    if args.reward_model_path:
+        load = functools.partial(load_pretrained, args.reward_model_path, "--reward-model-path")
+        reward_model = load(AutoModelForSequenceClassification, args.trust_remote_code)
+        reward_tokenizer = load(AutoTokenizer, args.trust_remote_code)
+        if reward_tokenizer.get_vocab() == tokenizer.get_vocab():
+            reward_tokenizer = None  # same vocabulary: score the policy's token ids directly
+        else:
+            reward_tokenizer.padding_side = "left"
+            reward_tokenizer.pad_token = reward_tokenizer.pad_token or reward_tokenizer.eos_token
+    for model in (policy, ref_policy, reward_model):
+        if model is not None:
+            disable_dropout(model)  # the log-probs of the rollout and of the update must come from the same function
+    if args.gradient_checkpointing:
+        policy.gradient_checkpointing_enable()
+    return policy, ref_policy, reward_model, reward_tokenizer
 
 
 def disable_dropout(model):
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
+
+
+def make_accelerator(args):
+    """The Accelerator, with gloo where there is no CUDA so that DeepSpeed and DDP run on CPUs too, and the
+    DeepSpeed config completed from the flags. Returns (accelerator, zero3)."""
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType, InitProcessGroupKwargs
+
+    cpu_group = args.world_size > 1 and not torch.cuda.is_available()
+    accelerator = Accelerator(
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        log_with=None if args.report_to == "none" else args.report_to,
+        project_dir=args.output_dir,
+        kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if cpu_group else [],
+    )
+    if accelerator.distributed_type != DistributedType.DEEPSPEED:
+        return accelerator, False
+    ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
+    ds_config["train_micro_batch_size_per_gpu"] = args.per_device_train_batch_size
+    ds_config["gradient_accumulation_steps"] = args.gradient_accumulation_steps
+    ds_config["train_batch_size"] = (
+        args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+    )
+    ds_config["gradient_clipping"] = args.max_grad_norm
+    ds_config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True  # a full state dict to save
+    return accelerator, ds_config["zero_optimization"]["stage"] == 3
 
 
 def prepare_frozen(model, accelerator):
@@ -555,7 +1012,8 @@ def prepare_frozen(model, accelerator):
         return model.to(accelerator.device)
     import deepspeed
 
-    config = {k: v for k, v in accelerator.state.deepspeed_plugin.deepspeed_config.items() if k not in ("optimizer", "scheduler")}
+    ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
+    config = {k: v for k, v in ds_config.items() if k not in ("optimizer", "scheduler")}
     if config["zero_optimization"]["stage"] != 3:
         config["zero_optimization"] = {"stage": 0}  # stages 1-2 shard optimizer state only: nothing to shard here
     engine, *_ = deepspeed.initialize(model=model, config=config)
@@ -567,8 +1025,10 @@ def check_output_dir(output_dir, resuming):
     """The output directory must be writable, and a new run must not overwrite the metrics or checkpoints of
     another run there."""
     if not resuming and (os.path.exists(os.path.join(output_dir, "metrics.jsonl")) or checkpoint_dirs(output_dir)):
-        raise ArgumentError(f"--output-dir {output_dir} already holds a run; continue it with "
-                            "--resume-from-checkpoint latest, or choose another --output-dir")  # fmt: skip
+        raise ArgumentError(
+            f"--output-dir {output_dir} already holds a run; continue it with "
+            "--resume-from-checkpoint latest, or choose another --output-dir"
+        )
     try:
         os.makedirs(output_dir, exist_ok=True)
         probe = os.path.join(output_dir, f".write_test.{os.getpid()}")  # one per process: ranks run this at once
@@ -579,10 +1039,10 @@ def check_output_dir(output_dir, resuming):
 
 
 def find_checkpoint(args, world_size):
-    """The checkpoint to resume from, and its trainer_state.json, checked against this run's flags."""
+    """The checkpoint to resume from and its trainer_state.json; `latest` is the newest complete one."""
     resume_dir = args.resume_from_checkpoint
     if resume_dir == "latest":
-        found = checkpoint_dirs(args.output_dir)
+        found = checkpoint_dirs(args.output_dir) if args.output_dir else []
         if not found:
             raise ArgumentError(f"--resume-from-checkpoint latest: no complete checkpoint in {args.output_dir}")
         resume_dir = found[-1]
@@ -591,20 +1051,40 @@ def find_checkpoint(args, world_size):
     with open(os.path.join(resume_dir, "trainer_state.json")) as f:
         saved = json.load(f)
     if saved["world_size"] != world_size:
-        raise ArgumentError(f"--resume-from-checkpoint {resume_dir}: written by {saved['world_size']} processes, "
-                            f"this run has {world_size}; launch with --num_processes {saved['world_size']}")  # fmt: skip
-    # flags that set the prompts, their order, the batch and the run's length must match; the others (the loss's
-    # coefficients, output, logging, saving) may change on purpose
-    if args.total_episodes is None:
-        args.total_episodes = saved["args"]["total_episodes"]
-    for field in ("rloo_k", "per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches",
-                  "total_episodes", "response_length", "seed", "sft_model_path", "dataset_name", "dataset_split",
-                  "dataset_text_field", "max_prompt_length", "token_level_kl"):  # fmt: skip
-        if saved["args"][field] != getattr(args, field):
-            flag = "--" + field.replace("_", "-")
-            raise ArgumentError(f"--resume-from-checkpoint {resume_dir}: written with {flag} {saved['args'][field]}, "
-                                f"this run has {getattr(args, field)}; use the same {flag}")  # fmt: skip
+        raise ArgumentError(
+            f"--resume-from-checkpoint {resume_dir}: written by {saved['world_size']} processes, "
+            f"this run has {world_size}; launch with --num_processes {saved['world_size']}"
+        )
     return resume_dir, saved
+
+
+# flags that set the prompts, their order, the batch and the run's length: a resume must keep them. The others
+# (the loss's coefficients, output, logging, saving) may change on purpose.
+RESUME_FIXED = (
+    "rloo_k",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "num_mini_batches",
+    "total_episodes",
+    "response_length",
+    "seed",
+    "sft_model_path",
+    "dataset_name",
+    "dataset_split",
+    "dataset_text_field",
+    "max_prompt_length",
+    "token_level_kl",
+)
+
+
+def check_checkpoint_args(args, saved, resume_dir):
+    for name in RESUME_FIXED:
+        if saved["args"][name] != getattr(args, name):
+            flag = "--" + name.replace("_", "-")
+            raise ArgumentError(
+                f"--resume-from-checkpoint {resume_dir}: written with {flag} {saved['args'][name]}, "
+                f"this run has {getattr(args, name)}; use the same {flag}"
+            )
 
 
 def checkpoint_dirs(output_dir):
@@ -614,125 +1094,15 @@ def checkpoint_dirs(output_dir):
     return sorted(found, key=lambda d: int(d.rsplit("-", 1)[1]))
 
 
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def main(args: Args):
-    warnings.filterwarnings("ignore", message=".*is deprecated. Please use `torch.distributed")  # DeepSpeed's calls
-    from accelerate import Accelerator
-    from accelerate.utils import DistributedType, InitProcessGroupKwargs
-    from tqdm.auto import tqdm
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
-
-    # ---- validation: every check that needs no model comes before any model is loaded
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
-    validate_args(args, world_size)
-    toy = args.sft_model_path is None
-    args.learning_rate = args.learning_rate or (1e-3 if toy else 5e-5)
-    args.run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
-    args.output_dir = args.output_dir or os.path.join("runs", args.run_name)
-    check_output_dir(args.output_dir, resuming=args.resume_from_checkpoint is not None)
-    resume_dir, saved = find_checkpoint(args, world_size) if args.resume_from_checkpoint else (None, None)
-    if not toy:  # configs only: a wrong path fails here, before any weights are read
-        load_pretrained(args.sft_model_path, "--sft-model-path", AutoConfig, args.trust_remote_code)
-    if args.reward_model_path:
-        num_labels = load_pretrained(args.reward_model_path, "--reward-model-path", AutoConfig, args.trust_remote_code).num_labels
-        if num_labels != 1:
-            raise ArgumentError(f"--reward-model-path {args.reward_model_path}: the reward model has {num_labels} "
-                                "output labels; it needs exactly 1")  # fmt: skip
-
-    # ---- tokenizer, prompts, reward function
-    if toy:
-        tokenizer = toy_tokenizer()
-    else:
-        tokenizer = load_pretrained(args.sft_model_path, "--sft-model-path", AutoTokenizer, args.trust_remote_code)
-        tokenizer.padding_side = "left"
-        if tokenizer.pad_token is None:
-            tokenizer.pad_token = tokenizer.eos_token  # fine here: masks come from positions, never from the pad id
-    if args.stop_token == "eos":
-        if tokenizer.eos_token_id is None:
-            raise ArgumentError("--stop-token eos: the policy's tokenizer has no eos token; give --stop-token-id")
-        args.stop_token_id = tokenizer.eos_token_id
-    prompts = load_prompts(args, tokenizer)
-    if args.reward_fn:
-        reward_fn = load_reward_fn(args.reward_fn, tokenizer.batch_decode(prompts[:2]))
-    elif args.reward_model_path is None:
-        reward_fn = functools.partial(toy_reward, response_length=args.response_length)
-    else:
-        reward_fn = None
-
-    # ---- models, loaded before the Accelerator: every rank gets the same full weights, which the DeepSpeed
-    # engines then shard (after Accelerator() under a ZeRO-3 plugin, from_pretrained would shard while loading)
-    if toy:
-        policy = toy_policy(tokenizer, args.seed)
-        ref_policy = toy_policy(tokenizer, args.seed)  # the same seed: the same initial weights
-    else:
-        policy = load_pretrained(args.sft_model_path, "--sft-model-path", AutoModelForCausalLM, args.trust_remote_code)
-        ref_policy = load_pretrained(args.sft_model_path, "--sft-model-path", AutoModelForCausalLM, args.trust_remote_code)
-    reward_model, reward_tokenizer = None, None
-    if reward_fn is None:
-        reward_model = load_pretrained(args.reward_model_path, "--reward-model-path", AutoModelForSequenceClassification,
-                                       args.trust_remote_code)  # fmt: skip
-        reward_tokenizer = load_pretrained(args.reward_model_path, "--reward-model-path", AutoTokenizer, args.trust_remote_code)
-        if reward_tokenizer.get_vocab() == tokenizer.get_vocab():
-            reward_tokenizer = None  # same vocabulary: score the policy's token ids directly
-        else:
-            reward_tokenizer.padding_side = "left"
-            reward_tokenizer.pad_token = reward_tokenizer.pad_token or reward_tokenizer.eos_token
-    for model in (policy, ref_policy, reward_model):
-        if model is not None:
-            disable_dropout(model)  # the log-probs of the rollout and of the update must come from the same function
-    if args.gradient_checkpointing:
-        policy.gradient_checkpointing_enable()
-
-    # ---- the Accelerator: gloo where there is no CUDA, so that DeepSpeed and DDP run on CPUs too
-    handlers = [InitProcessGroupKwargs(backend="gloo")] if world_size > 1 and not torch.cuda.is_available() else []
-    accelerator = Accelerator(
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
-        log_with=None if args.report_to == "none" else args.report_to,
-        project_dir=args.output_dir,
-        kwargs_handlers=handlers,
-    )
-    device, is_main = accelerator.device, accelerator.is_main_process
-    zero3, deepspeed_engine = False, accelerator.distributed_type == DistributedType.DEEPSPEED
-    if deepspeed_engine:
-        ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
-        ds_config["train_micro_batch_size_per_gpu"] = args.per_device_train_batch_size
-        ds_config["gradient_accumulation_steps"] = args.gradient_accumulation_steps
-        ds_config["train_batch_size"] = args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size
-        ds_config["gradient_clipping"] = args.max_grad_norm
-        ds_config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True  # a full state dict to save
-        zero3 = ds_config["zero_optimization"]["stage"] == 3
-        import deepspeed
-    # batch sizes (TRL's names): completions per update, per process and in all
-    local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
-    batch_size = local_batch_size * accelerator.num_processes
-    B = local_batch_size // args.rloo_k  # prompts per process per update
-    mini_batch_size = local_batch_size // args.num_mini_batches
-    if args.total_episodes is None:
-        args.total_episodes = int(args.num_train_epochs * len(prompts))
-    num_updates = math.ceil(args.total_episodes / batch_size)
-    if len(prompts) < B * accelerator.num_processes:
-        raise ArgumentError(f"--dataset-name: {len(prompts)} prompts are fewer than one update needs "
-                            f"({B * accelerator.num_processes}); lower --per-device-train-batch-size")  # fmt: skip
-
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, eps=1e-8, weight_decay=0.0)
-    policy, optimizer = accelerator.prepare(policy, optimizer)
-    ref_policy = prepare_frozen(ref_policy, accelerator)
-    reward_model = prepare_frozen(reward_model, accelerator) if reward_model is not None else None
-    unwrapped_policy = accelerator.unwrap_model(policy)
-    unwrapped_reward = accelerator.unwrap_model(reward_model) if reward_model is not None else None
-    if args.report_to != "none":
-        accelerator.init_trackers(args.exp_name, config=asdict(args))
-
-    # ---- resume: weights, optimizer and every rank's RNG come back; data order and learning rate follow from
-    # the update counter
-    start_update, history, elapsed_before = 0, [], 0.0
+def resume_or_seed(run, resume_dir, saved):
+    """Resume: weights, optimizer and every rank's RNG come back (data order and learning rate follow from the
+    update counter), and metrics.jsonl keeps only the updates the checkpoint holds. A new run seeds each rank."""
+    accelerator, args = run.accelerator, run.args
     if resume_dir is not None:
         accelerator.load_state(resume_dir)
-        start_update, history, elapsed_before = saved["update"], saved["score_history"], saved["elapsed"]
-        if is_main:
-            print(f"resumed from {resume_dir} at update {start_update}")
+        run.start_update, run.history, run.elapsed_before = saved["update"], saved["score_history"], saved["elapsed"]
+        if accelerator.is_main_process:
+            print(f"resumed from {resume_dir} at update {run.start_update}")
     else:
         # each rank samples with its own seed, so the ranks' completions differ; fixed seed + world size = same run
         # (python's and numpy's generators too, for reward functions that use them)
@@ -740,286 +1110,265 @@ def main(args: Args):
         random.seed(args.seed + accelerator.process_index)
         np.random.seed(args.seed + accelerator.process_index)
     metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
-    if is_main:  # keep the metrics of the updates the checkpoint holds, drop any written after it
+    if accelerator.is_main_process:
         lines = open(metrics_path).read().splitlines() if (resume_dir and os.path.exists(metrics_path)) else []
         with open(metrics_path, "w") as f:
-            f.writelines(line + "\n" for line in lines if json.loads(line)["update"] <= start_update)
+            f.writelines(line + "\n" for line in lines if json.loads(line)["update"] <= run.start_update)
 
-    def save_checkpoint(update):
-        """Weights, optimizer, RNG of every rank (accelerate's save_state), plus the counters, into
-        checkpoint-<update>.tmp, renamed into place once complete: a crash mid-save leaves the last one intact."""
-        final = os.path.join(args.output_dir, f"checkpoint-{update}")
-        tmp = final + ".tmp"
-        if is_main and os.path.exists(tmp):
-            shutil.rmtree(tmp)
-        accelerator.wait_for_everyone()
-        accelerator.save_state(tmp)
-        accelerator.wait_for_everyone()
-        if is_main:
-            state = {"update": update, "world_size": accelerator.num_processes, "args": asdict(args),
-                     "score_history": history, "elapsed": elapsed_before + time.perf_counter() - start_time}  # fmt: skip
-            with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-                json.dump(state, f)
-            if os.path.exists(final):
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            for old in checkpoint_dirs(args.output_dir)[: -args.save_total_limit] if args.save_total_limit else []:
-                shutil.rmtree(old)
-        accelerator.wait_for_everyone()
 
-    # preemption: SIGTERM or SIGINT finishes the current update, writes a checkpoint and exits
-    stop_signal = []
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda number, frame: stop_signal.append(number))
+def next_queries(args, prompts, update, rank, pad_token_id):
+    """This rank's B prompts of the update, left-padded and repeated k times k-major: (k*B, P) ids and mask. One
+    shuffled order per pass over the prompts, the same on every rank; each rank takes its slice."""
+    B = args.local_dataloader_batch_size
+    batches_per_pass = len(prompts) // (B * args.world_size)
+    order = torch.randperm(
+        len(prompts), generator=torch.Generator().manual_seed(args.seed + update // batches_per_pass)
+    )
+    start = ((update % batches_per_pass) * args.world_size + rank) * B
+    queries, query_mask = pad_left([prompts[i] for i in order[start : start + B].tolist()], pad_token_id)
+    return queries.repeat(args.rloo_k, 1), query_mask.repeat(args.rloo_k, 1)
 
-    def now():
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()  # time what the GPU did, not what was queued
-        return time.perf_counter()
 
-    if is_main:
-        print(f"{args.run_name}: {num_updates} updates of {batch_size} completions ({B} prompts x k={args.rloo_k} "
-              f"per process, {accelerator.num_processes} processes) -> {args.output_dir}")  # fmt: skip
-    start_time = previous_end = now()
-    consecutive_skips, skipped_steps = 0, 0
-    sample_every = max(1, num_updates // args.num_sample_generations) if args.num_sample_generations > 0 else 0
-    print_every = max(1, num_updates // 20)
-    phase_totals = {"generation": 0.0, "scoring": 0.0, "training": 0.0, "other": 0.0, "tokens": 0.0}  # this session
-    for update in tqdm(range(start_update, num_updates), disable=not is_main, initial=start_update, total=num_updates):
-        # linear decay to 0 over exactly num_updates updates
-        lr = args.learning_rate * (1.0 - update / num_updates)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+@contextlib.contextmanager
+def generation_context(run):
+    """The model to sample from, and whether sampling must stay in step across ranks. Under ZeRO-3 with
+    ds3_gather_for_generation, the full weights are gathered once for the whole rollout."""
+    model = run.accelerator.unwrap_model(run.policy)
+    if not (run.zero3 and run.args.ds3_gather_for_generation):
+        yield model, run.zero3  # a sharded model needs every rank in each forward
+        return
+    import deepspeed
 
-        # ---- data: one shuffled order per pass over the prompts, the same on every rank, each rank its slice
-        batches_per_pass = len(prompts) // (B * accelerator.num_processes)
-        order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(args.seed + update // batches_per_pass))
-        start = ((update % batches_per_pass) * accelerator.num_processes + accelerator.process_index) * B
-        batch_prompts = [prompts[i] for i in order[start : start + B].tolist()]
-        queries, query_mask = pad_left(batch_prompts, tokenizer.pad_token_id)
-        # k-major: row i*B + j is sample i of prompt j, the layout rloo_advantages expects
-        queries, query_mask = queries.repeat(args.rloo_k, 1).to(device), query_mask.repeat(args.rloo_k, 1).to(device)
-        context_length = queries.shape[1]
-        t0 = now()
+    with deepspeed.zero.GatheredParameters(list(run.policy.parameters())):
+        yield model, False
 
-        # ---- 1. rollout: sample k completions per prompt
-        policy.eval()  # no dropout anyway; eval lets generation use the KV cache under gradient checkpointing
-        gather = zero3 and args.ds3_gather_for_generation
-        # ZeRO-3: gather the full weights once for the whole rollout instead of once per forward
-        gathered = deepspeed.zero.GatheredParameters(list(policy.parameters())) if gather else contextlib.nullcontext()
-        responses = []
-        with torch.no_grad(), gathered:
-            for i in range(0, len(queries), args.local_rollout_forward_batch_size):
-                chunk = slice(i, i + args.local_rollout_forward_batch_size)
-                tokens = generate(unwrapped_policy, queries[chunk], query_mask[chunk], args.response_length,
-                                  args.temperature, args.stop_token_id, tokenizer.pad_token_id, synced=zero3 and not gather)  # fmt: skip
-                responses.append(F.pad(tokens, (0, args.response_length - tokens.shape[1]), value=tokenizer.pad_token_id))
-        responses = torch.cat(responses)  # (k*B, response_length)
-        # ---- 2. truncate after the stop token; then drop the columns where every completion had stopped
-        responses, response_mask = truncate_response(responses, args.stop_token_id, tokenizer.pad_token_id)
-        T = int(response_mask.sum(1).max())
-        responses, response_mask = responses[:, :T], response_mask[:, :T]  # (k*B, T)
-        query_responses = torch.cat([queries, responses], 1)  # (k*B, P + T)
-        attention_mask = torch.cat([query_mask, response_mask.long()], 1)
-        t1 = now()
 
-        # ---- 3. log-probs under the policy (the "old" log-probs of the update) and under the reference
-        chunks = [slice(i, i + args.local_rollout_forward_batch_size) for i in range(0, len(queries), args.local_rollout_forward_batch_size)]
-        with torch.no_grad():
-            # the policy in micro-batches of the training forward's size, through the same code, so that with one
-            # epoch the first ratio is exactly 1
-            micro = args.per_device_train_batch_size
-            old_logprobs = torch.cat([forward_logprobs(policy, query_responses[i : i + micro], attention_mask[i : i + micro],
-                                                       context_length, args.temperature)[0]
-                                      for i in range(0, len(queries), micro)])  # (k*B, T)
-            with accelerator.autocast():
-                ref_logprobs = torch.cat([forward_logprobs(ref_policy, query_responses[rows], attention_mask[rows],
-                                                           context_length, args.temperature)[0] for rows in chunks])  # fmt: skip
+def optimizer_step(run):
+    """At the last micro-batch of a mini-batch (outside DeepSpeed, which steps inside backward): clip the gradient
+    norm, step unless it is non-finite, zero the gradients. Returns 1 for a skipped step, else 0."""
+    accelerator = run.accelerator
+    if not accelerator.sync_gradients or run.deepspeed:
+        return 0
+    grad_norm = accelerator.clip_grad_norm_(run.policy.parameters(), run.args.max_grad_norm)
+    finite = math.isfinite(grad_norm)  # one host sync per optimizer step
+    if finite or accelerator.scaler is not None:
+        run.optimizer.step()  # under fp16 the grad scaler itself skips a non-finite step
+    run.optimizer.zero_grad()
+    return int(not finite)
 
-            # ---- 4. the score: the reward function on the decoded text, or the reward model at the last real token
-            if reward_model is None or reward_tokenizer is not None:
-                prompt_texts = tokenizer.batch_decode(queries, skip_special_tokens=True)
-                completion_texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
-            if reward_model is None:
-                scores = torch.tensor(check_scores(reward_fn(prompt_texts, completion_texts), len(queries), args.reward_fn),
-                                      dtype=torch.float, device=device)  # fmt: skip
-            else:
-                if reward_tokenizer is None:  # the same vocabulary: the policy's token ids as they are
-                    ids, mask, last_index = query_responses, attention_mask, context_length + response_mask.sum(1) - 1
-                else:  # another vocabulary: prompt + completion re-encoded, left-padded, so the last token is last
-                    encoded = [reward_tokenizer(p + c, add_special_tokens=False)["input_ids"] for p, c in zip(prompt_texts, completion_texts)]
-                    ids, mask = (t.to(device) for t in pad_left(encoded, reward_tokenizer.pad_token_id))
-                    last_index = torch.full((len(ids),), ids.shape[1] - 1, device=device)
-                with accelerator.autocast():
-                    scores = torch.cat([get_reward(unwrapped_reward, ids[rows], mask[rows], last_index[rows]) for rows in chunks])  # (k*B,)
-        t2 = now()
 
-        # ---- 5. missing-EOS penalty: completions that never produced the stop token lose missing_eos_penalty
-        if args.missing_eos_penalty is not None:  # validate_args made sure a stop token is set
-            contains_stop = ((responses == args.stop_token_id) & response_mask).any(1)
-            scores = scores - args.missing_eos_penalty * (~contains_stop).float()
-        raw_scores = scores  # what objective/scores logs: before normalization and clipping
-        # ---- 6. normalize (optional, over the global batch) and always clip to [-c, c]
-        if args.normalize_reward:
-            scores = whiten(scores)
-        scores = scores.clamp(-args.reward_clip_range, args.reward_clip_range)
+@torch.no_grad()
+def add_stats(stats, loss, clipfrac, new_logprobs, old_logprobs, entropy, mask, token_level):
+    """Add one micro-batch to the metric sums; a "term" is a sequence, or a real token in token mode."""
+    ratio_log = log_ratio(new_logprobs, old_logprobs, mask, not token_level)
+    term_mask = mask if token_level else torch.ones_like(ratio_log, dtype=torch.bool)
+    ratio, terms = ratio_log.exp()[term_mask], term_mask.sum()
+    for name, value in [
+        ("loss", loss * terms),
+        ("clipfrac", clipfrac * terms),
+        ("approxkl", 0.5 * (ratio_log[term_mask] ** 2).sum()),
+        ("ratio", ratio.sum()),
+        ("ratio_sq", (ratio**2).sum()),
+        ("entropy", entropy[mask].sum()),
+        ("terms", terms),
+        ("tokens", mask.sum()),
+    ]:
+        stats[name] = stats[name] + value
 
-        # ---- 7. KL to the reference, per token, and 8. the leave-one-out advantages
-        kl = torch.where(response_mask, old_logprobs - ref_logprobs, 0.0)  # (k*B, T)
-        sequence_kl = kl.sum(1)  # (k*B,)
-        if args.token_level_kl:
-            advantages = token_level_advantages(scores, kl, response_mask, args.kl_coef, args.rloo_k, args.whiten_rewards)
-            if args.normalize_advantage:
-                advantages = torch.where(response_mask, whiten(advantages, response_mask), 0.0)
-        else:
-            rewards = scores - args.kl_coef * sequence_kl  # the KL penalty is part of the sequence's reward
-            if args.whiten_rewards:
-                rewards = whiten(rewards, shift_mean=False)
-            advantages = rloo_advantages(rewards, args.rloo_k)  # (k*B,)
-            if args.normalize_advantage:
-                advantages = whiten(advantages)
 
-        # ---- non-finite guard: a NaN or inf anywhere in the rollout (a reward, a log-prob) skips this update
-        finite = torch.isfinite(advantages).all() & torch.isfinite(old_logprobs[response_mask]).all()
-        finite = bool(all_reduce_sum((~finite).float()) == 0)  # every rank skips, or none
+def update_metrics(run, update, stats, lr, times):
+    """The update's metrics from its sums, reduced over every rank in one all-reduce, which also tells every rank
+    whether any of them got a stop signal. Returns (metrics, stopping)."""
+    args, device = run.args, run.accelerator.device
+    stats["stop_signals"] = len(run.stop_signals)
+    values = torch.stack([torch.as_tensor(v, dtype=torch.float, device=device) for v in stats.values()])
+    totals = dict(zip(stats, all_reduce_sum(values).tolist()))
+    n, terms, tokens = args.batch_size, max(totals["terms"], 1.0), max(totals["tokens"], 1.0)
+    t0, t1, t2, t3 = times
+    episode = (update + 1) * args.batch_size
+    mean_ratio = totals["ratio"] / terms
+    metrics = {
+        "update": update + 1,
+        "episode": episode,
+        "eps": (episode - run.start_update * args.batch_size) / max(time.perf_counter() - run.start_time, 1e-9),
+        "lr": lr,
+        "objective/kl": totals["kl"] / n,
+        "objective/entropy": totals["neglogp"] / n,  # of the sampled tokens, summed over each completion
+        "objective/non_score_reward": -args.kl_coef * totals["kl"] / n,
+        "objective/rlhf_reward": totals["rlhf"] / n,
+        "objective/scores": totals["scores"] / n,
+        "policy/approxkl_avg": totals["approxkl"] / terms,
+        "policy/clipfrac_avg": totals["clipfrac"] / terms,
+        "loss/policy_avg": totals["loss"] / terms,
+        "policy/entropy_avg": totals["entropy"] / tokens,  # of the full distribution, per real token
+        "val/ratio": mean_ratio,
+        "val/ratio_var": max(totals["ratio_sq"] / terms - mean_ratio**2, 0.0),
+        "val/num_eos_tokens": totals["eos"],
+        "train/skipped_steps": run.skipped_steps,
+        # where this update's time went; "other" is everything since the previous update's training ended
+        # (its metrics, logging and checkpoint, then this update's data)
+        "time/generation": t1 - t0,
+        "time/scoring": t2 - t1,
+        "time/training": t3 - t2,
+        "time/other": t0 - run.previous_end,
+        "time/tokens_per_second": totals["generated"] / max(t1 - t0, 1e-9),  # generated, over every rank
+        "time/peak_memory_mib": peak_memory_mib(),  # this rank's
+    }
+    for phase in PHASES:
+        run.phase_totals[phase] += metrics[f"time/{phase}"]
+    run.phase_totals["tokens"] += totals["generated"]
+    run.history.append(metrics["objective/scores"])
+    return metrics, totals["stop_signals"] > 0
 
-        # ---- 9. the update: num_ppo_epochs passes, each over num_mini_batches shuffled mini-batches of
-        # gradient_accumulation_steps micro-batches, one optimizer step per mini-batch
-        policy.train()
-        # sums for the metrics, reduced over every rank below; a "term" is a sequence, or a real token in token mode
-        sums = dict.fromkeys(["loss", "clipfrac", "approxkl", "ratio", "ratio_sq", "entropy", "terms", "tokens"], 0.0)
-        for _ in range(args.num_ppo_epochs if finite else 0):  # no epochs at all when the guard skips the update
-            permutation = torch.randperm(local_batch_size, device=device)
-            for mini_start in range(0, local_batch_size, mini_batch_size):
-                for micro_start in range(mini_start, mini_start + mini_batch_size, args.per_device_train_batch_size):
-                    rows = permutation[micro_start : micro_start + args.per_device_train_batch_size]
-                    with accelerator.accumulate(policy):
-                        new_logprobs, entropy = forward_logprobs(policy, query_responses[rows], attention_mask[rows],
-                                                                 context_length, args.temperature, with_entropy=True)  # fmt: skip
-                        mask = response_mask[rows]
-                        loss, clipfrac = policy_loss(new_logprobs, old_logprobs[rows], advantages[rows], mask, args.cliprange)
-                        accelerator.backward(loss)  # under DeepSpeed this also clips and steps at the boundary
-                        if accelerator.sync_gradients and not deepspeed_engine:  # the last micro-batch
-                            grad_norm = accelerator.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-                            finite_step = math.isfinite(grad_norm)  # one host sync per optimizer step
-                            if finite_step or accelerator.scaler is not None:
-                                optimizer.step()  # under fp16 the grad scaler itself skips a non-finite step
-                            skipped_steps += int(not finite_step)
-                            optimizer.zero_grad()
-                    with torch.no_grad():
-                        ratio_log = log_ratio(new_logprobs, old_logprobs[rows], mask, not args.token_level_kl)
-                        term_mask = mask if args.token_level_kl else torch.ones_like(ratio_log, dtype=torch.bool)
-                        ratio, terms = ratio_log.exp()[term_mask], term_mask.sum()
-                        for name, value in [("loss", loss * terms), ("clipfrac", clipfrac * terms),
-                                            ("approxkl", 0.5 * (ratio_log[term_mask] ** 2).sum()), ("ratio", ratio.sum()),
-                                            ("ratio_sq", (ratio**2).sum()), ("entropy", entropy[mask].sum()),
-                                            ("terms", terms), ("tokens", mask.sum())]:  # fmt: skip
-                            sums[name] = sums[name] + value
-        if not finite:
-            skipped_steps += 1
-            consecutive_skips += 1
-        else:
-            consecutive_skips = 0
-        t3 = now()
 
-        # ---- 10. metrics (TRL's names), over real response tokens only: sums over every rank in one all-reduce,
-        # which also tells every rank whether any of them got a stop signal
-        sums.update(kl=sequence_kl.sum(), neglogp=(-old_logprobs[response_mask]).sum(),
-                    scores=raw_scores.sum(), rlhf=(scores - args.kl_coef * sequence_kl).sum(),
-                    eos=((responses == tokenizer.eos_token_id) & response_mask).sum(), generated=response_mask.sum(),
-                    stop_signals=len(stop_signal))  # fmt: skip
-        values = torch.stack([torch.as_tensor(v, dtype=torch.float, device=device) for v in sums.values()])
-        totals = dict(zip(sums, all_reduce_sum(values).tolist()))
-        n_seq, terms, tokens = batch_size, max(totals["terms"], 1.0), max(totals["tokens"], 1.0)  # completions, terms, tokens
-        episode = (update + 1) * batch_size
-        mean_ratio = totals["ratio"] / terms
-        metrics = {
-            "update": update + 1,
-            "episode": episode,
-            "eps": (episode - start_update * batch_size) / max(time.perf_counter() - start_time, 1e-9),
-            "lr": lr,
-            "objective/kl": totals["kl"] / n_seq,
-            "objective/entropy": totals["neglogp"] / n_seq,  # of the sampled tokens, summed over each completion
-            "objective/non_score_reward": -args.kl_coef * totals["kl"] / n_seq,
-            "objective/rlhf_reward": totals["rlhf"] / n_seq,
-            "objective/scores": totals["scores"] / n_seq,
-            "policy/approxkl_avg": totals["approxkl"] / terms,
-            "policy/clipfrac_avg": totals["clipfrac"] / terms,
-            "loss/policy_avg": totals["loss"] / terms,
-            "policy/entropy_avg": totals["entropy"] / tokens,  # of the full distribution, per real token
-            "val/ratio": mean_ratio,
-            "val/ratio_var": max(totals["ratio_sq"] / terms - mean_ratio**2, 0.0),
-            "val/num_eos_tokens": totals["eos"],
-            "train/skipped_steps": skipped_steps,
-            # where this update's time went; "other" is everything since the previous update's training ended
-            # (its metrics, logging and checkpoint, then this update's data)
-            "time/generation": t1 - t0,
-            "time/scoring": t2 - t1,
-            "time/training": t3 - t2,
-            "time/other": t0 - previous_end,
-            "time/tokens_per_second": totals["generated"] / max(t1 - t0, 1e-9),  # generated, over every rank
-            "time/peak_memory_mib": peak_memory_mib(),  # this rank's
+def log_update(run, update, metrics, queries, responses, scores):
+    """metrics.jsonl, a progress line every twentieth of the run, sample tables, the tracker."""
+    from tqdm.auto import tqdm
+
+    args, accelerator = run.args, run.accelerator
+    if accelerator.is_main_process:
+        with open(os.path.join(args.output_dir, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps(metrics) + "\n")
+        if (update + 1) % max(1, args.num_total_batches // 20) == 0 or update == run.start_update:
+            tqdm.write(
+                f"update {update + 1}/{args.num_total_batches}  score {metrics['objective/scores']:.3f}  "
+                f"kl {metrics['objective/kl']:.2f}  loss {metrics['loss/policy_avg']:.4f}  "
+                f"clipfrac {metrics['policy/clipfrac_avg']:.2f}  eps {metrics['eps']:.1f}"
+            )
+        sample_every = max(1, args.num_total_batches // max(args.num_sample_generations, 1))
+        if args.num_sample_generations > 0 and (update + 1) % sample_every == 0:
+            prompts = run.tokenizer.batch_decode(queries, skip_special_tokens=True)
+            completions = run.tokenizer.batch_decode(responses, skip_special_tokens=True)
+            tqdm.write(f"{'prompt':<32} | {'completion':<60} | score")
+            for p, c, s in zip(prompts, completions, scores.tolist()):
+                tqdm.write(f"{printable(p, 32):<32} | {printable(c):<60} | {s:.3f}")
+    if args.report_to != "none":
+        accelerator.log(metrics, step=metrics["episode"])
+
+
+def end_of_update(run, update, stopping):
+    """Checkpoints: every save_steps updates, at the end, on preemption, and when the non-finite guard gives up."""
+    args, done = run.args, update + 1
+    too_many_skips = run.consecutive_skips >= 3
+    if done % args.save_steps == 0 or done == args.num_total_batches or stopping or too_many_skips:
+        save_checkpoint(run, done)
+    if too_many_skips:
+        raise SystemExit(
+            f"rloo.py: stopped at update {done}: non-finite rewards or log-probs in 3 updates in a row "
+            f"(the last good state is in {args.output_dir}/checkpoint-{done}); check the reward and "
+            "lower --learning-rate"
+        )
+    if stopping:
+        if run.accelerator.is_main_process:
+            print(
+                f"rloo.py: preempted; checkpoint written. Resume with: --output-dir {args.output_dir} "
+                "--resume-from-checkpoint latest",
+                file=sys.stderr,
+            )
+        sys.exit(143)
+
+
+def save_checkpoint(run, update):
+    """Weights, optimizer, RNG of every rank (accelerate's save_state), plus the counters, into
+    checkpoint-<update>.tmp, renamed into place once complete: a crash mid-save leaves the last one intact."""
+    accelerator, args = run.accelerator, run.args
+    final = os.path.join(args.output_dir, f"checkpoint-{update}")
+    tmp = final + ".tmp"
+    if accelerator.is_main_process and os.path.exists(tmp):
+        shutil.rmtree(tmp)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(tmp)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        state = {
+            "update": update,
+            "world_size": args.world_size,
+            "args": asdict(args),
+            "score_history": run.history,
+            "elapsed": run.elapsed_before + time.perf_counter() - run.start_time,
         }
-        for phase in ("generation", "scoring", "training", "other"):
-            phase_totals[phase] += metrics[f"time/{phase}"]
-        phase_totals["tokens"] += totals["generated"]
-        history.append(metrics["objective/scores"])
-        if is_main:
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps(metrics) + "\n")
-            if (update + 1) % print_every == 0 or update == start_update:
-                tqdm.write(f"update {update + 1}/{num_updates}  score {metrics['objective/scores']:.3f}  "
-                           f"kl {metrics['objective/kl']:.2f}  loss {metrics['loss/policy_avg']:.4f}  "
-                           f"clipfrac {metrics['policy/clipfrac_avg']:.2f}  eps {metrics['eps']:.1f}")  # fmt: skip
-            if sample_every and (update + 1) % sample_every == 0:
-                texts = tokenizer.batch_decode(query_responses[:4, :context_length], skip_special_tokens=True)
-                completions = tokenizer.batch_decode(responses[:4], skip_special_tokens=True)
-                tqdm.write(f"{'prompt':<32} | {'completion':<60} | score")
-                for p, c, s in zip(texts, completions, raw_scores[:4].tolist()):
-                    tqdm.write(f"{printable(p, 32):<32} | {printable(c):<60} | {s:.3f}")
-        if args.report_to != "none":
-            accelerator.log(metrics, step=episode)
+        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+            json.dump(state, f)
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        for old in checkpoint_dirs(args.output_dir)[: -args.save_total_limit] if args.save_total_limit else []:
+            shutil.rmtree(old)
+    accelerator.wait_for_everyone()
 
-        # ---- checkpoints: periodic, on preemption, and when the guard gives up
-        stop = totals["stop_signals"] > 0
-        too_many_skips = consecutive_skips >= 3
-        if (update + 1) % args.save_steps == 0 or update + 1 == num_updates or stop or too_many_skips:
-            save_checkpoint(update + 1)
-        if too_many_skips:
-            raise SystemExit(f"rloo.py: stopped at update {update + 1}: non-finite rewards or log-probs in "
-                             f"3 updates in a row (the last good state is in {args.output_dir}/checkpoint-{update + 1}); "
-                             "check the reward and lower --learning-rate")  # fmt: skip
-        if stop:
-            if is_main:
-                print(f"rloo.py: preempted; checkpoint written. Resume with: --output-dir {args.output_dir} "
-                      "--resume-from-checkpoint latest", file=sys.stderr)  # fmt: skip
-            sys.exit(143)
-        previous_end = t3
 
-    # ---- save the final policy: a normal save_pretrained directory, loadable on one device
-    state_dict = accelerator.get_state_dict(policy)  # under ZeRO-3, gathers the full weights from every rank
-    if is_main:
-        unwrapped_policy.save_pretrained(args.output_dir, state_dict=state_dict, safe_serialization=True)
-        tokenizer.save_pretrained(args.output_dir)
+def save_final_model(run):
+    """The final policy as a normal save_pretrained directory, loadable on one device; then the speed report."""
+    accelerator, args = run.accelerator, run.args
+    state_dict = accelerator.get_state_dict(run.policy)  # under ZeRO-3, gathers the full weights from every rank
+    if accelerator.is_main_process:
+        unwrapped = accelerator.unwrap_model(run.policy)
+        unwrapped.save_pretrained(args.output_dir, state_dict=state_dict, safe_serialization=True)
+        run.tokenizer.save_pretrained(args.output_dir)
         if args.push_to_hub:
-            unwrapped_policy.push_to_hub(args.hub_model_id or args.run_name)
-            tokenizer.push_to_hub(args.hub_model_id or args.run_name)
+            unwrapped.push_to_hub(args.hub_model_id or args.run_name)
+            run.tokenizer.push_to_hub(args.hub_model_id or args.run_name)
     accelerator.wait_for_everyone()
     accelerator.end_training()
-    if is_main and history:
-        # the run's own speed report: throughput, where an update's time went, peak memory
-        session = max(now() - start_time, 1e-9)
-        updates_run = num_updates - start_update
-        phases = sum(phase_totals[p] for p in ("generation", "scoring", "training", "other"))
-        shares = ", ".join(f"{p} {100 * phase_totals[p] / max(phases, 1e-9):.0f}%" for p in ("generation", "scoring", "training", "other"))
-        memory = "peak GPU memory" if torch.cuda.is_available() else "peak RSS"
-        print(f"speed: {updates_run * batch_size / session:.1f} episodes/s, "
-              f"{phase_totals['tokens'] / max(phase_totals['generation'], 1e-9):.0f} generated tokens/s while generating, "
-              f"{phases / max(updates_run, 1):.3f} s/update ({shares}); {memory} {peak_memory_mib():.0f} MiB (rank 0)")  # fmt: skip
-        tenth = max(1, len(history) // 10)
-        print(f"done in {elapsed_before + session:.0f}s: {num_updates} updates, {num_updates * batch_size} episodes; "
-              f"mean score {np.mean(history[:tenth]):.3f} (first tenth) -> {np.mean(history[-tenth:]):.3f} "
-              f"(last tenth); model saved to {args.output_dir}")  # fmt: skip
+    if accelerator.is_main_process and run.history:
+        print_speed_report(run)
+
+
+def print_speed_report(run):
+    """The run's own speed report: throughput, where an update's time went, peak memory; then the score's rise."""
+    args, totals = run.args, run.phase_totals
+    session = max(now() - run.start_time, 1e-9)
+    updates_run = args.num_total_batches - run.start_update
+    phases = sum(totals[p] for p in PHASES)
+    shares = ", ".join(f"{p} {100 * totals[p] / max(phases, 1e-9):.0f}%" for p in PHASES)
+    memory = "peak GPU memory" if torch.cuda.is_available() else "peak RSS"
+    print(
+        f"speed: {updates_run * args.batch_size / session:.1f} episodes/s, "
+        f"{totals['tokens'] / max(totals['generation'], 1e-9):.0f} generated tokens/s while generating, "
+        f"{phases / max(updates_run, 1):.3f} s/update ({shares}); {memory} {peak_memory_mib():.0f} MiB (rank 0)"
+    )
+    tenth = max(1, len(run.history) // 10)
+    print(
+        f"done in {run.elapsed_before + session:.0f}s: {args.num_total_batches} updates, "
+        f"{args.num_total_batches * args.batch_size} episodes; mean score {np.mean(run.history[:tenth]):.3f} "
+        f"(first tenth) -> {np.mean(run.history[-tenth:]):.3f} (last tenth); model saved to {args.output_dir}"
+    )
+
+
+def progress(run):
+    """The updates still to run, with a progress bar on the main process; prints the run's header and starts
+    its clocks."""
+    from tqdm.auto import tqdm
+
+    args, is_main = run.args, run.accelerator.is_main_process
+    if is_main:
+        print(
+            f"{args.run_name}: {args.num_total_batches} updates of {args.batch_size} completions "
+            f"({args.local_dataloader_batch_size} prompts x k={args.rloo_k} per process, {args.world_size} "
+            f"processes) -> {args.output_dir}"
+        )
+    run.start_time = run.previous_end = now()
+    updates = range(run.start_update, args.num_total_batches)
+    return tqdm(updates, disable=not is_main, initial=run.start_update, total=args.num_total_batches)
+
+
+def now():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # time what the GPU did, not what was queued
+    return time.perf_counter()
+
+
+def peak_memory_mib():
+    """Peak memory so far: allocated GPU memory on a GPU, the process's resident set size (RSS) on the CPU."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def printable(text, width=60):
+    """Control characters and invalid bytes from a random policy, escaped for a terminal."""
+    text = repr(text)[1:-1]
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 if __name__ == "__main__":

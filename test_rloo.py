@@ -485,46 +485,37 @@ def test_toy_reward_by_hand():
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# 10. validate_args
+# 10. flag checks: validate_args (the flags alone) and resolve_args (with the tokenizer and the number of prompts)
 
 
-@pytest.mark.parametrize(
-    "changes,flags",
-    [
-        ({"rloo_k": 1}, ["--rloo-k"]),
-        ({"response_length": 0}, ["--response-length"]),
-        ({"temperature": 0.0}, ["--temperature"]),
-        ({"cliprange": 0.0}, ["--cliprange"]),
-        ({"kl_coef": -1.0}, ["--kl-coef"]),
-        ({"reward_clip_range": 0.0}, ["--reward-clip-range"]),
-        ({"learning_rate": 0.0}, ["--learning-rate"]),
-        ({"per_device_train_batch_size": 6, "rloo_k": 4}, ["--per-device-train-batch-size", "--rloo-k"]),
-        ({"total_episodes": 4}, ["--total-episodes"]),
-        ({"missing_eos_penalty": 1.0}, ["--missing-eos-penalty"]),
-    ],
-)
-def test_validate_args_rejects(changes, flags):
+def check_flags(world_size=1, num_prompts=256, **changes):
     args = dataclasses.replace(rloo.Args(), **changes)
-    with pytest.raises(rloo.ArgumentError) as info:
-        rloo.validate_args(args, 1)
-    assert isinstance(info.value, SystemExit)
-    for flag in flags:
-        assert flag in str(info.value.code)
+    rloo.validate_args(args)
+    return rloo.resolve_args(args, world_size, rloo.toy_tokenizer(), num_prompts)
 
 
-def test_validate_args_total_episodes_counts_every_process():
-    args = dataclasses.replace(rloo.Args(), total_episodes=16)  # one update on 2 processes is 8 x 2 = 16
-    rloo.validate_args(args, 2)
+def test_resolve_args_total_episodes_counts_every_process():
+    check_flags(world_size=2, total_episodes=16)  # one update on 2 processes is 8 x 2 = 16
     with pytest.raises(rloo.ArgumentError, match="--total-episodes"):
-        rloo.validate_args(args, 3)
+        check_flags(world_size=3, total_episodes=16)
 
 
-def test_validate_args_accepts_defaults_and_valid_combinations():
-    rloo.validate_args(rloo.Args(), 1)
-    rloo.validate_args(rloo.Args(), 8)
-    rloo.validate_args(dataclasses.replace(rloo.Args(), missing_eos_penalty=1.0, stop_token="eos"), 1)
-    rloo.validate_args(dataclasses.replace(rloo.Args(), missing_eos_penalty=1.0, stop_token_id=3), 1)
-    rloo.validate_args(dataclasses.replace(rloo.Args(), per_device_train_batch_size=6, rloo_k=3, kl_coef=0.0), 1)
+def test_resolve_args_derives_sizes_once():
+    args = check_flags(world_size=2, per_device_train_batch_size=4, gradient_accumulation_steps=3, num_mini_batches=2,
+                       rloo_k=3, num_train_epochs=2.0, num_prompts=100)  # fmt: skip
+    assert (args.local_batch_size, args.batch_size, args.local_mini_batch_size) == (24, 48, 12)
+    assert args.local_dataloader_batch_size == 8  # prompts per process: 24 completions / k=3
+    assert args.total_episodes == 200 and args.num_total_batches == math.ceil(200 / 48)
+    assert args.learning_rate == 1e-3 and args.output_dir == os.path.join("runs", args.run_name)
+    assert check_flags(stop_token="eos").stop_token_id == rloo.toy_tokenizer().eos_token_id
+
+
+def test_flag_checks_accept_defaults_and_valid_combinations():
+    check_flags()
+    check_flags(world_size=8, num_prompts=1000)
+    check_flags(missing_eos_penalty=1.0, stop_token="eos")
+    check_flags(missing_eos_penalty=1.0, stop_token_id=3)
+    check_flags(per_device_train_batch_size=6, rloo_k=3, kl_coef=0.0)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -902,6 +893,7 @@ def test_bad_flag_exits_with_one_line_and_no_traceback(tmp_path):
         (dict(total_episodes=4), "--total-episodes"),
         (dict(num_mini_batches=0), "--num-mini-batches"),
         (dict(missing_eos_penalty=1.0), "--missing-eos-penalty"),
+        (dict(per_device_train_batch_size=6, rloo_k=4), "--per-device-train-batch-size"),
     ],
 )
 def test_flag_validation(tmp_path, fields, flag):
