@@ -30,6 +30,7 @@ import functools
 import glob
 import importlib
 import importlib.util
+import inspect
 import json
 import math
 import os
@@ -74,9 +75,11 @@ class Args:
     """the policy to fine-tune: a hub id or a local directory; None: the embedded toy policy"""
     reward_model_path: Optional[str] = None
     """the reward model (a sequence classifier with one label): a hub id or a local directory"""
-    reward_fn: Optional[str] = None
-    """`module:function` scoring completions instead of a reward model: fn(prompts, completions) -> list[float];
-    None without a reward model: the toy task's vowel reward"""
+    reward_fn: Optional[list[str]] = None
+    """reward functions, each `module:function`: fn(prompts, completions, **columns) -> list[float], given the
+    dataset's other columns that it names (README: "Reward functions"); with no reward model: the toy's reward"""
+    reward_weights: Optional[list[float]] = None
+    """one weight per reward source, the reward model first, then each reward function; None: 1.0 each"""
     trust_remote_code: bool = False
     """allow models and tokenizers with custom code"""
     dataset_name: Optional[str] = None
@@ -136,7 +139,7 @@ class Args:
     cliprange: float = 0.2
     """the PPO clip range epsilon of the probability ratio"""
     max_grad_norm: float = 1.0
-    """clip the gradient norm to this before each optimizer step"""
+    """clip the gradient norm to this before each optimizer step; 0: no clipping"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass to save memory"""
     ds3_gather_for_generation: bool = True
@@ -391,43 +394,98 @@ def rollout(model, queries, query_mask, args, pad_token_id, synced):
     return torch.cat(responses)
 
 
-def score_completions(run, query_responses, attention_mask, context_length, response_mask):
-    """Step 4, the score of each completion (k*B,): the reward function on the decoded text, or the reward model
-    at the last real token (on the policy's token ids when the vocabularies agree, else re-encoded)."""
-    queries, responses = query_responses[:, :context_length], query_responses[:, context_length:]
-    if run.reward_model is None or run.reward_tokenizer is not None:
-        prompt_texts = run.tokenizer.batch_decode(queries, skip_special_tokens=True)
-        completion_texts = run.tokenizer.batch_decode(responses, skip_special_tokens=True)
-    device, chunk = query_responses.device, run.args.local_rollout_forward_batch_size
-    if run.reward_model is None:
-        scores = check_scores(run.reward_fn(prompt_texts, completion_texts), len(queries), run.args.reward_fn)
-        return torch.tensor(scores, dtype=torch.float, device=device)
-    if run.reward_tokenizer is None:  # the same vocabulary: the policy's token ids as they are
+@dataclass
+class RewardSource:
+    """One term of the score: a reward function, or a reward model (with its own tokenizer when it re-encodes)."""
+
+    name: str  # for the metric rewards/<name>
+    flag: str  # for error messages: `--reward-fn module:function` or `--reward-model-path PATH`
+    weight: float = 1.0
+    fn: Any = None
+    model: Any = None
+    tokenizer: Any = None  # None: the reward model reads the policy's token ids (same vocabulary, a decoder)
+    decoder: bool = True  # a decoder classifier, read at the last token; else an encoder, which pools on its own
+
+
+def score_completions(run, rows, query_responses, attention_mask, context_length, response_mask):
+    """Step 4: score = sum_s weight_s * reward_s for each completion (k*B,), and each source's rewards by name.
+
+    A reward function gets the prompts as the dataset holds them (text, or chat messages), the decoded completions,
+    and as keyword lists aligned with them the dataset's other columns that it accepts. A reward model is read at
+    the last real token: on the policy's token ids when it shares their vocabulary, else on prompt + completion
+    rendered by its own tokenizer (render_for_reward)."""
+    args, k, device = run.args, run.args.rloo_k, query_responses.device
+    responses = query_responses[:, context_length:]
+    prompts = [row[args.dataset_text_field] for row in rows] * k  # k-major, like the completions
+    columns = {name: [row[name] for row in rows] * k for name in rows[0] if name != args.dataset_text_field}
+    completions = run.tokenizer.batch_decode(responses, skip_special_tokens=True)
+    stopped = (
+        [False] * len(completions)
+        if args.stop_token_id is None
+        else ((responses == args.stop_token_id) & response_mask).any(1).tolist()
+    )
+    rewards = {}
+    for source in run.reward_sources:
+        if source.fn is not None:
+            values = call_reward_fn(source, prompts, completions, columns)
+            rewards[source.name] = torch.tensor(values, dtype=torch.float, device=device)
+            continue
         ids, mask, last_index = query_responses, attention_mask, context_length + response_mask.sum(1) - 1
-    else:  # another vocabulary: prompt + completion re-encoded, left-padded, so the last token is last
-        encoded = [
-            run.reward_tokenizer(p + c, add_special_tokens=False)["input_ids"]
-            for p, c in zip(prompt_texts, completion_texts)
-        ]
-        ids, mask = (t.to(device) for t in pad_left(encoded, run.reward_tokenizer.pad_token_id))
-        last_index = torch.full((len(ids),), ids.shape[1] - 1, device=device)
-    reward_model = run.accelerator.unwrap_model(run.reward_model)
-    with run.accelerator.autocast():
-        values = [
-            get_reward(reward_model, ids[i : i + chunk], mask[i : i + chunk], last_index[i : i + chunk])
-            for i in range(0, len(ids), chunk)
-        ]
-    return torch.cat(values)  # (k*B,)
+        if source.tokenizer is not None:  # re-encoded: left-padded for a decoder, so that the last token is last
+            encoded = [render_for_reward(source.tokenizer, *row) for row in zip(prompts, completions, stopped)]
+            ids, mask = (t.to(device) for t in pad_batch(encoded, source.tokenizer.pad_token_id, left=source.decoder))
+            last_index = torch.full((len(ids),), ids.shape[1] - 1, device=device)
+        model, chunk = run.accelerator.unwrap_model(source.model), args.local_rollout_forward_batch_size
+        with run.accelerator.autocast():
+            values = [
+                reward_model_values(source, model, ids[i : i + chunk], mask[i : i + chunk], last_index[i : i + chunk])
+                for i in range(0, len(ids), chunk)
+            ]
+        rewards[source.name] = torch.cat(values)
+    scores = sum(source.weight * rewards[source.name] for source in run.reward_sources)
+    return scores, rewards  # (k*B,), {name: (k*B,)}
 
 
-def pad_left(sequences, pad_token_id):
-    """Token lists -> (input_ids, attention_mask), left-padded to the longest, as generation wants."""
+def call_reward_fn(source, prompts, completions, columns):
+    """fn(prompts, completions, **columns), passing only the columns it names (all of them to a **kwargs)."""
+    parameters = inspect.signature(source.fn).parameters.values()
+    if not any(p.kind == p.VAR_KEYWORD for p in parameters):
+        columns = {name: values for name, values in columns.items() if name in {p.name for p in parameters}}
+    return check_scores(source.fn(prompts, completions, **columns), len(completions), source.flag)
+
+
+def reward_model_values(source, model, ids, mask, last_index):
+    """A decoder classifier's value at last_index (get_reward); an encoder's own forward, which pools its [CLS]."""
+    if source.decoder:
+        return get_reward(model, ids, mask, last_index)
+    return model(input_ids=ids, attention_mask=mask).logits[:, 0].float()
+
+
+def render_for_reward(tokenizer, prompt, completion, stopped):
+    """prompt + completion as a reward model's own tokenizer writes them: its special tokens (a BOS, or [CLS] ...
+    [SEP]), a chat prompt through its chat template with the completion as the assistant's turn, and its eos after
+    a completion that stopped, since reward models trained on TRL-style data are read at that eos."""
+    if isinstance(prompt, list):
+        return chat_ids(tokenizer, prompt + [{"role": "assistant", "content": completion}], generation_prompt=False)
+    ids, eos = tokenizer(prompt + completion)["input_ids"], tokenizer.eos_token_id
+    return ids + [eos] if stopped and eos is not None and ids[-1] != eos else ids
+
+
+def chat_ids(tokenizer, messages, generation_prompt):
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def pad_batch(sequences, pad_token_id, left=True):
+    """Token lists -> (input_ids, attention_mask), padded to the longest: on the left, as generation wants, or on
+    the right, as an encoder wants (its positions count from its first token)."""
     width = max(len(s) for s in sequences)
-    input_ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
+    input_ids = torch.full((len(sequences), width), pad_token_id or 0, dtype=torch.long)
     attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
     for row, s in enumerate(sequences):
-        input_ids[row, width - len(s) :] = torch.tensor(s, dtype=torch.long)
-        attention_mask[row, width - len(s) :] = 1
+        columns = slice(width - len(s), width) if left else slice(0, len(s))
+        input_ids[row, columns] = torch.tensor(s, dtype=torch.long)
+        attention_mask[row, columns] = 1
     return input_ids, attention_mask
 
 
@@ -436,16 +494,22 @@ def pad_left(sequences, pad_token_id):
 
 
 def toy_tokenizer():
-    """A byte-level tokenizer built in memory: the 256 bytes, no merges, plus distinct pad and eos tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    """A character-level tokenizer built in memory: printable ASCII and newline, one token each, plus pad, eos and
+    unk. Every completion decodes to readable text and encodes back to the same tokens."""
+    from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
 
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(sorted(alphabet))}, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tokenizer.decoder = decoders.ByteLevel()
+    characters = [chr(c) for c in range(32, 127)] + ["\n"]
+    special = ["<|pad|>", "<|endoftext|>", "<|unk|>"]
+    vocab = {token: i for i, token in enumerate(characters + special)}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<|unk|>"))  # no merges: one per character
+    tokenizer.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, pad_token="<|pad|>", eos_token="<|endoftext|>", padding_side="left"
+        tokenizer_object=tokenizer,
+        pad_token="<|pad|>",
+        eos_token="<|endoftext|>",
+        unk_token="<|unk|>",
+        padding_side="left",
     )
 
 
@@ -513,7 +577,7 @@ def toy_reward(prompts, completions, response_length=53):
     """The toy task's reward: 10 x (lowercase vowels in the completion) / response_length, in [0, 10].
 
     Dividing by the fixed response length, not by the completion's own, keeps it from being gamed by stopping
-    early. A random byte-level policy scores about 10 x 5/258 = 0.2."""
+    early. A random policy over the toy's 99 tokens scores about 10 x 5/99 = 0.5."""
     return [10.0 * sum(c in TOY_VOWELS for c in completion) / response_length for completion in completions]
 
 
@@ -532,13 +596,15 @@ def train(run):
     k = rloo_k completions each, P prompt tokens (left-padded), T response tokens."""
     args, accelerator, policy, tokenizer = run.args, run.accelerator, run.policy, run.tokenizer
     device, pad_token_id, micro = accelerator.device, tokenizer.pad_token_id, args.per_device_train_batch_size
+    chunk = args.local_rollout_forward_batch_size  # completions per forward pass outside training
     for update in progress(run):
         lr = args.learning_rate * (1.0 - update / args.num_total_batches)  # linear decay to 0 over the run
         for group in run.optimizer.param_groups:
             group["lr"] = lr
 
-        # ---- data: B prompts per process, repeated k times k-major (row i*B + j is sample i of prompt j)
-        queries, query_mask = next_queries(args, run.prompts, update, accelerator.process_index, pad_token_id)
+        # ---- data: this rank's B prompts, repeated k times k-major (row i*B + j is sample i of prompt j)
+        batch = batch_indices(args, len(run.prompts), update, accelerator.process_index)  # (B,) dataset rows
+        queries, query_mask = pad_batch([run.prompts[i] for i in batch] * args.rloo_k, pad_token_id)
         queries, query_mask = queries.to(device), query_mask.to(device)  # (k*B, P)
         context_length = queries.shape[1]
         t0 = now()
@@ -558,20 +624,15 @@ def train(run):
         with torch.no_grad():
             # ---- 3. log-probs under the policy (the update's "old" log-probs) and under the reference; the
             # policy's in micro-batches of the training forward's size, so that with one epoch the first ratio is 1
-            old_logprobs = batched_logprobs(
-                policy, query_responses, attention_mask, context_length, args.temperature, micro
-            )  # (k*B, T)
+            logprob_inputs = (query_responses, attention_mask, context_length, args.temperature)
+            old_logprobs = batched_logprobs(policy, *logprob_inputs, micro)  # (k*B, T)
             with accelerator.autocast():
-                ref_logprobs = batched_logprobs(
-                    run.ref_policy,
-                    query_responses,
-                    attention_mask,
-                    context_length,
-                    args.temperature,
-                    args.local_rollout_forward_batch_size,
-                )
-            # ---- 4. the score of each completion: reward function or reward model
-            scores = score_completions(run, query_responses, attention_mask, context_length, response_mask)  # (k*B,)
+                ref_logprobs = batched_logprobs(run.ref_policy, *logprob_inputs, chunk)  # (k*B, T)
+            # ---- 4. the score: the weighted sum of the reward sources (reward model, reward functions)
+            rows = [run.rows[i] for i in batch]
+            scores, source_rewards = score_completions(
+                run, rows, query_responses, attention_mask, context_length, response_mask
+            )
         t2 = now()
 
         # ---- 5. missing-EOS penalty: completions that never produced the stop token lose missing_eos_penalty
@@ -642,15 +703,8 @@ def train(run):
         t3 = now()
 
         # ---- 10. metrics (TRL's names), over real response tokens only, summed over every rank in one all-reduce
-        stats.update(
-            kl=sequence_kl.sum(),
-            neglogp=(-old_logprobs[response_mask]).sum(),
-            scores=raw_scores.sum(),
-            rlhf=(scores - args.kl_coef * sequence_kl).sum(),
-            generated=response_mask.sum(),
-            eos=((responses == tokenizer.eos_token_id) & response_mask).sum(),
-        )
-        metrics, stopping = update_metrics(run, update, stats, lr, (t0, t1, t2, t3))
+        sums = rollout_sums(run, responses, response_mask, old_logprobs, sequence_kl, raw_scores, scores, source_rewards)
+        metrics, stopping = update_metrics(run, update, stats | sums, lr, (t0, t1, t2, t3))
         log_update(run, update, metrics, query_responses[:4, :context_length], responses[:4], raw_scores[:4])
         end_of_update(run, update, stopping)
         run.previous_end = t3
@@ -668,13 +722,12 @@ class Run:
     args: Args
     accelerator: Any
     tokenizer: Any
-    prompts: list  # token-id lists
+    prompts: list  # token-id lists, one per usable prompt
+    rows: list  # the dataset's rows (every column), aligned with prompts
     policy: Any  # what trains: the model wrapped by accelerate (a DeepSpeed engine, DDP, or the model itself)
     ref_policy: Any
     optimizer: Any
-    reward_fn: Any = None
-    reward_model: Any = None
-    reward_tokenizer: Any = None  # None: the reward model reads the policy's token ids
+    reward_sources: list  # RewardSource: the reward model first, then the reward functions
     zero3: bool = False
     deepspeed: bool = False
     start_update: int = 0
@@ -693,42 +746,36 @@ STAT_NAMES = ("loss", "clipfrac", "approxkl", "ratio", "ratio_sq", "entropy", "t
 
 
 def setup(args):
-    """Everything the loop needs, checked in order of cost: flags, then tokenizer, prompts and reward function,
+    """Everything the loop needs, checked in order of cost: flags, then tokenizer, prompts and reward functions,
     then the output directory and checkpoint, and only then the models."""
+    from accelerate.utils import DistributedType
+
     warnings.filterwarnings("ignore", message=".*is deprecated. Please use `torch.distributed")  # DeepSpeed's calls
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     validate_args(args)
     check_model_configs(args)
     tokenizer = load_tokenizer(args)
-    prompts = load_prompts(args, tokenizer)
+    prompts, rows, dropped = load_prompts(args, tokenizer, args.dataset_name, args.dataset_split, "--dataset-name")
     resume_dir, saved = find_checkpoint(args, world_size) if args.resume_from_checkpoint else (None, None)
-    args = resolve_args(args, world_size, tokenizer, len(prompts), saved)
+    args = resolve_args(args, world_size, tokenizer, len(prompts), saved, dropped)
     check_output_dir(args.output_dir, resuming=resume_dir is not None)
     if saved is not None:
         check_checkpoint_args(args, saved, resume_dir)
-    if args.reward_fn:
-        reward_fn = load_reward_fn(args.reward_fn, tokenizer.batch_decode(prompts[:2]))
-    else:
-        reward_fn = functools.partial(toy_reward, response_length=args.response_length)
-    policy, ref_policy, reward_model, reward_tokenizer = load_models(args, tokenizer)
+    sources = [load_reward_fn(spec, rows[:2], args.dataset_text_field) for spec in args.reward_fn or []]
+    if not sources and not args.reward_model_path:  # the toy task's reward
+        toy = functools.partial(toy_reward, response_length=args.response_length)
+        sources = [RewardSource("toy_reward", "the toy reward", fn=toy)]
+    policy, ref_policy, reward_model = load_models(args, tokenizer, rows)
     accelerator, zero3 = make_accelerator(args)
-    deepspeed = accelerator.distributed_type == "DEEPSPEED"
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, eps=1e-8, weight_decay=0.0)
     policy, optimizer = accelerator.prepare(policy, optimizer)
-    run = Run(
-        args,
-        accelerator,
-        tokenizer,
-        prompts,
-        policy,
-        prepare_frozen(ref_policy, accelerator),
-        optimizer,
-        reward_fn=None if reward_model is not None else reward_fn,
-        reward_tokenizer=reward_tokenizer,
-        reward_model=prepare_frozen(reward_model, accelerator) if reward_model is not None else None,
-        zero3=zero3,
-        deepspeed=deepspeed,
-    )
+    ref_policy = prepare_frozen(ref_policy, accelerator)
+    if reward_model is not None:  # the reward model is the first source
+        sources.insert(0, replace(reward_model, model=prepare_frozen(reward_model.model, accelerator)))
+    for source, weight in zip(sources, args.reward_weights or [1.0] * len(sources)):
+        source.weight = weight
+    deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
+    run = Run(args, accelerator, tokenizer, prompts, rows, policy, ref_policy, optimizer, sources, zero3, deepspeed)
     if args.report_to != "none":
         accelerator.init_trackers(args.exp_name, config=asdict(args))
     resume_or_seed(run, resume_dir, saved)
@@ -737,51 +784,67 @@ def setup(args):
     return run
 
 
+# the lowest value each numeric flag may take (None, where allowed, means "not set")
+FLAG_MINIMUMS = dict(
+    rloo_k=2,
+    response_length=1,
+    max_prompt_length=1,
+    per_device_train_batch_size=1,
+    gradient_accumulation_steps=1,
+    num_mini_batches=1,
+    num_ppo_epochs=1,
+    local_rollout_forward_batch_size=1,
+    save_steps=1,
+    save_total_limit=1,
+    total_episodes=1,
+    stop_token_id=0,
+    kl_coef=0,
+    max_grad_norm=0,
+    num_sample_generations=0,
+)
+FLAG_POSITIVE = ("temperature", "cliprange", "reward_clip_range", "learning_rate", "num_train_epochs")
+
+
 def validate_args(args):
-    """Every flag check that needs no model and no data: a one-line error naming the flag and what is valid."""
-    checks = [
-        (args.rloo_k >= 2, f"--rloo-k must be at least 2 (got {args.rloo_k}): the baseline needs another sample"),
-        (args.response_length >= 1, f"--response-length must be at least 1 (got {args.response_length})"),
-        (args.temperature > 0, f"--temperature must be positive (got {args.temperature})"),
-        (args.cliprange > 0, f"--cliprange must be positive (got {args.cliprange})"),
-        (args.kl_coef >= 0, f"--kl-coef must be 0 or more (got {args.kl_coef})"),
-        (args.reward_clip_range > 0, f"--reward-clip-range must be positive (got {args.reward_clip_range})"),
-        (
-            args.learning_rate is None or args.learning_rate > 0,
-            f"--learning-rate must be positive (got {args.learning_rate})",
-        ),
-        (args.per_device_train_batch_size >= 1, "--per-device-train-batch-size must be at least 1"),
-        (args.gradient_accumulation_steps >= 1, "--gradient-accumulation-steps must be at least 1"),
-        (args.num_mini_batches >= 1, "--num-mini-batches must be at least 1"),
-        (args.num_ppo_epochs >= 1, "--num-ppo-epochs must be at least 1"),
-        (args.local_rollout_forward_batch_size >= 1, "--local-rollout-forward-batch-size must be at least 1"),
-        (args.save_steps >= 1, f"--save-steps must be at least 1 (got {args.save_steps})"),
-        (
-            args.missing_eos_penalty is None or args.stop_token is not None or args.stop_token_id is not None,
-            "--missing-eos-penalty needs a stop token: add --stop-token eos or --stop-token-id",
-        ),
-        (not (args.reward_fn and args.reward_model_path), "give either --reward-fn or --reward-model-path, not both"),
-        (
-            args.report_to == "none" or importlib.util.find_spec(args.report_to) is not None,
-            f"--report-to {args.report_to}: the package is not installed; pip install {args.report_to}",
-        ),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise ArgumentError(message)
+    """Every check of the flags alone, before anything loads: a one-line error naming the flag and what is valid."""
+    for name, lowest in FLAG_MINIMUMS.items():
+        value = getattr(args, name)
+        if value is not None and not value >= lowest:  # `not >=` also refuses NaN
+            raise ArgumentError(f"--{name.replace('_', '-')} must be at least {lowest} (got {value})")
+    for name in FLAG_POSITIVE:
+        value = getattr(args, name)
+        if value is not None and not (0 < value < math.inf):
+            raise ArgumentError(f"--{name.replace('_', '-')} must be a positive number (got {value})")
+    sources = int(args.reward_model_path is not None) + len(args.reward_fn or []) or 1  # 1: the toy reward
+    if args.reward_weights is not None and len(args.reward_weights) != sources:
+        raise ArgumentError(
+            f"--reward-weights: give one weight per reward source ({sources}: the reward model "
+            "first, then each --reward-fn)"
+        )
+    if not all(math.isfinite(weight) for weight in args.reward_weights or []):
+        raise ArgumentError(f"--reward-weights must be finite numbers (got {args.reward_weights})")
+    if args.missing_eos_penalty is not None and args.stop_token is None and args.stop_token_id is None:
+        raise ArgumentError("--missing-eos-penalty needs a stop token: add --stop-token eos or --stop-token-id")
+    if args.report_to != "none" and importlib.util.find_spec(args.report_to) is None:
+        raise ArgumentError(f"--report-to {args.report_to}: the package is not installed; pip install {args.report_to}")
 
 
-def resolve_args(args, world_size, tokenizer, num_prompts, saved=None):
+def resolve_args(args, world_size, tokenizer, num_prompts, saved=None, dropped=0):
     """The one place where the parsed flags become the run's settings: defaults that depend on the run, the stop
     token, the batch sizes and the number of updates. Nothing else changes `args`."""
     toy = args.sft_model_path is None
     run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
     if args.stop_token == "eos" and tokenizer.eos_token_id is None:
         raise ArgumentError("--stop-token eos: the policy's tokenizer has no eos token; give --stop-token-id")
+    if args.stop_token_id is not None and args.stop_token_id >= len(tokenizer):
+        raise ArgumentError(
+            f"--stop-token-id {args.stop_token_id} is not in the policy's vocabulary "
+            f"({len(tokenizer)} tokens); a completion would never stop"
+        )
+    if not 0 <= args.seed < 2**32 - 100003 * (world_size - 1):
+        raise ArgumentError(f"--seed must be in [0, 2**32 - 100003 x (processes - 1)) (got {args.seed})")
     # a resumed run keeps the checkpoint's length, unless the flag says otherwise (and then it must agree)
-    total_episodes = (
-        args.total_episodes if args.total_episodes is not None or not saved else saved["args"]["total_episodes"]
-    )
+    total_episodes = saved["args"]["total_episodes"] if saved and args.total_episodes is None else args.total_episodes
     local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
     args = replace(
         args,
@@ -802,42 +865,47 @@ def resolve_args(args, world_size, tokenizer, num_prompts, saved=None):
             f"the per-process batch (--per-device-train-batch-size x --gradient-accumulation-steps x "
             f"--num-mini-batches = {local_batch_size}) must be divisible by --rloo-k {args.rloo_k}"
         )
+    needed = args.local_dataloader_batch_size * world_size
+    if num_prompts < needed:
+        left_out = f" ({dropped} more were longer than --max-prompt-length {args.max_prompt_length})" if dropped else ""
+        raise ArgumentError(
+            f"--dataset-name: {num_prompts} prompts{left_out} are fewer than one update needs "
+            f"({needed}); lower --per-device-train-batch-size"
+        )
     if args.total_episodes < args.batch_size:
         raise ArgumentError(
             f"--total-episodes {args.total_episodes} is less than one update "
             f"({args.batch_size} completions on {world_size} processes)"
         )
-    if num_prompts < args.local_dataloader_batch_size * world_size:
-        raise ArgumentError(
-            f"--dataset-name: {num_prompts} prompts are fewer than one update needs "
-            f"({args.local_dataloader_batch_size * world_size}); lower --per-device-train-batch-size"
-        )
     return args
 
 
-def load_reward_fn(spec, prompts):
-    """Import `module:function` and try it once on two prompts, so that a broken function fails before any
-    model is loaded. The module is looked up on sys.path and in the current directory."""
+def load_reward_fn(spec, rows, text_field):
+    """Import `module:function` and try it once on two prompts (with their columns), so that a broken function
+    fails before any model is loaded. The module is looked up on sys.path and in the current directory."""
     module_name, _, function_name = spec.partition(":")
     sys.path.insert(0, os.getcwd())
     try:
         fn = getattr(importlib.import_module(module_name), function_name)
     except (ImportError, AttributeError, ValueError) as error:
         raise ArgumentError(f"--reward-fn {spec}: cannot import it ({error}); give module:function") from None
-    if any(math.isnan(score) for score in check_scores(fn(prompts[:2], ["hello", ""]), 2, spec)):
+    source = RewardSource(function_name, f"--reward-fn {spec}", fn=fn)
+    prompts = [row[text_field] for row in rows]
+    columns = {name: [row[name] for row in rows] for name in rows[0] if name != text_field}
+    if any(math.isnan(score) for score in call_reward_fn(source, prompts, ["hello", ""][: len(rows)], columns)):
         raise ArgumentError(f"--reward-fn {spec} returned NaN for a test completion; it must return real numbers")
-    return fn
+    return source
 
 
-def check_scores(scores, count, spec):
+def check_scores(scores, count, flag):
     """A reward function must give one number per completion. NaN is refused at start-up (load_reward_fn); a
     NaN later in the run is left to the non-finite guard of the update."""
     if not isinstance(scores, (list, tuple, torch.Tensor, np.ndarray)) or len(scores) != count:
-        raise ArgumentError(f"--reward-fn {spec} must return {count} numbers, one per completion")
+        raise ArgumentError(f"{flag} must return {count} numbers, one per completion")
     try:
         values = [float(s) for s in scores]
     except (TypeError, ValueError):
-        raise ArgumentError(f"--reward-fn {spec} returned a value that is not a number") from None
+        raise ArgumentError(f"{flag} returned a value that is not a number") from None
     return values
 
 
@@ -846,10 +914,10 @@ def first_line(error):
     return lines[0][:120] if lines else type(error).__name__
 
 
-def load_pretrained(path, flag, model_class, trust_remote_code):
+def load_pretrained(path, flag, model_class, trust_remote_code, **kwargs):
     """from_pretrained with an error naming the flag when nothing loadable is there."""
     try:
-        return model_class.from_pretrained(path, trust_remote_code=trust_remote_code)
+        return model_class.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
     except (OSError, ValueError) as error:
         offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false")
         hub = "the hub is off (HF_HUB_OFFLINE)" if offline else "a hub id"
@@ -888,62 +956,143 @@ def load_tokenizer(args):
     return tokenizer
 
 
-def load_prompts(args, tokenizer):
-    """Prompts as token-id lists of at most max_prompt_length tokens."""
-    path, field_name = args.dataset_name, args.dataset_text_field
-    if path is None:
-        texts = toy_prompts()
-    elif path.endswith(".jsonl"):  # read directly: no need for the datasets library (and its memory) here
-        try:
-            with open(path) as f:
-                records = [json.loads(line) for line in f if line.strip()]
-        except (OSError, ValueError) as error:
-            raise ArgumentError(f"--dataset-name {path}: cannot read it as JSON lines ({first_line(error)})") from None
-        if records and field_name not in records[0]:
-            raise ArgumentError(
-                f"--dataset-text-field {field_name}: no such field in {path} (fields: {', '.join(records[0])})"
-            )
-        texts = [record[field_name] for record in records]
-    else:
-        import datasets
+def load_prompts(args, tokenizer, path, split, flag):
+    """The dataset's usable prompts: (token-id lists, rows with every column, how many were left out).
 
-        try:
-            if os.path.isdir(path) and os.path.exists(os.path.join(path, "dataset_info.json")):
-                dataset = datasets.load_from_disk(path)  # a directory written by save_to_disk
-            else:
-                dataset = datasets.load_dataset(path, split=args.dataset_split)
-        except Exception as error:  # datasets raises many kinds; all mean the same to the user
-            raise ArgumentError(f"--dataset-name {path}: cannot load it ({first_line(error)})") from None
-        if isinstance(dataset, datasets.DatasetDict):
-            dataset = dataset[args.dataset_split]
-        if field_name not in dataset.column_names:
-            raise ArgumentError(
-                f"--dataset-text-field {field_name}: no such field in {path} "
-                f"(fields: {', '.join(dataset.column_names)})"
-            )
-        texts = dataset[field_name]
-    if len(texts) == 0:
-        raise ArgumentError(f"--dataset-name {args.dataset_name}: the dataset is empty")
-    prompts = []
-    for text in texts:
-        if isinstance(text, list):  # chat messages
-            ids = tokenizer.apply_chat_template(text, add_generation_prompt=True, tokenize=True)
-            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-        else:
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    Text is encoded with the tokenizer's defaults, so a BOS that it adds stays; chat messages go through its chat
+    template, whose own special tokens count (no second BOS). Prompts over max_prompt_length tokens are left out."""
+    text_field = args.dataset_text_field
+    if path is None:
+        rows = [{text_field: text} for text in toy_prompts()]
+        places = [f"toy prompt {n}" for n in range(len(rows))]
+    elif path.endswith(".jsonl"):  # read directly: no need for the datasets library (and its memory) here
+        rows, places = read_jsonl(path, text_field, flag)
+    else:
+        rows = load_dataset_rows(path, split, text_field, flag)
+        places = [f"row {n}" for n in range(len(rows))]
+    if not rows:
+        raise ArgumentError(f"{flag} {path}: the dataset is empty")
+    prompts, kept = [], []
+    for row, place in zip(rows, places):
+        prompt = row[text_field]
+        check_prompt(prompt, f"{flag} {path}, {place}: field {text_field!r}")
+        ids = chat_prompt_ids(tokenizer, prompt, place) if isinstance(prompt, list) else tokenizer(prompt)["input_ids"]
         if 0 < len(ids) <= args.max_prompt_length:
             prompts.append(list(ids))
+            kept.append(row)
+    dropped = len(rows) - len(kept)
     if not prompts:
         raise ArgumentError(
-            f"--max-prompt-length {args.max_prompt_length}: every prompt is longer (or empty); raise it"
+            f"--max-prompt-length {args.max_prompt_length}: all {len(rows)} prompts of {flag} are "
+            "longer (or empty); raise it"
         )
-    return prompts
+    if dropped and os.environ.get("RANK", "0") == "0":
+        print(
+            f"rloo.py: {dropped} of {len(rows)} prompts of {flag} are longer than --max-prompt-length "
+            f"{args.max_prompt_length} tokens (or empty) and are left out",
+            file=sys.stderr,
+        )
+    return prompts, kept, dropped
 
 
-def load_models(args, tokenizer):
-    """Policy, reference, reward model and its tokenizer (None when it shares the policy's vocabulary). They load
-    before the Accelerator, so every rank gets the same full weights, which the DeepSpeed engines then shard (after
-    Accelerator() under a ZeRO-3 plugin, from_pretrained would shard while loading)."""
+def read_jsonl(path, text_field, flag):
+    """The rows of a JSON-lines file and their places ("line 7"); a bad line is a one-line error naming it."""
+    try:
+        with open(path, "rb") as f:
+            lines = f.read().split(b"\n")
+    except OSError as error:
+        raise ArgumentError(f"{flag} {path}: cannot read it ({error.strerror})") from None
+    rows, places = [], []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{flag} {path}, line {number}"
+        try:
+            row = json.loads(line.decode("utf-8"))
+        except UnicodeDecodeError:
+            raise ArgumentError(f"{where}: not UTF-8 text") from None
+        except json.JSONDecodeError as error:
+            raise ArgumentError(f"{where}: not valid JSON ({error.msg} at column {error.colno})") from None
+        if not isinstance(row, dict):
+            raise ArgumentError(f"{where}: {json_kind(row)}, not a JSON object with a {text_field!r} field")
+        if text_field not in row:
+            raise ArgumentError(
+                f"--dataset-text-field {text_field}: {path}, line {number} has no such field "
+                f"(its fields: {', '.join(row) or 'none'})"
+            )
+        rows.append(row)
+        places.append(f"line {number}")
+    return rows, places
+
+
+def load_dataset_rows(path, split, text_field, flag):
+    """The rows of a hub dataset or of a directory written by save_to_disk."""
+    import datasets
+
+    try:
+        if os.path.isdir(path) and (
+            os.path.exists(os.path.join(path, "dataset_info.json"))
+            or os.path.exists(os.path.join(path, "dataset_dict.json"))
+        ):
+            dataset = datasets.load_from_disk(path)
+        else:
+            dataset = datasets.load_dataset(path, split=split)
+        if isinstance(dataset, datasets.DatasetDict):
+            dataset = dataset[split]
+    except Exception as error:  # datasets raises many kinds; all mean the same to the user
+        raise ArgumentError(f"{flag} {path}: cannot load split {split!r} ({first_line(error)})") from None
+    if text_field not in dataset.column_names:
+        raise ArgumentError(
+            f"--dataset-text-field {text_field}: no such field in {path} (fields: {', '.join(dataset.column_names)})"
+        )
+    return dataset.to_list()
+
+
+def json_kind(value):
+    names = {type(None): "null", bool: "a boolean", int: "a number", float: "a number", str: "a string"}
+    return names.get(type(value), "a JSON array" if isinstance(value, list) else "a JSON object")
+
+
+def check_prompt(prompt, where):
+    """A prompt is a string, or a non-empty list of chat messages ({"role": ..., "content": "..."}), in Unicode."""
+    messages = isinstance(prompt, list) and prompt and all(isinstance(m, dict) and "role" in m for m in prompt)
+    texts = [m.get("content") for m in prompt] if messages else [prompt]
+    if not all(isinstance(text, str) for text in texts):
+        kind = json_kind(prompt) if not messages else "a list of messages whose content is not always a string"
+        raise ArgumentError(
+            f'{where} is {kind}; a prompt is a string or a list of chat messages ({{"role": ..., "content": "..."}})'
+        )
+    for text in texts:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ArgumentError(f"{where} holds a lone surrogate ({text!r:.40}), which is not valid Unicode") from None
+
+
+def chat_prompt_ids(tokenizer, messages, place):
+    """Chat messages rendered by the policy's chat template, ending with the assistant's turn to speak."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ArgumentError(
+            "--dataset-text-field: the prompts are chat messages, but the policy's tokenizer has no "
+            "chat template; give plain-text prompts or a model whose tokenizer has one"
+        )
+    try:
+        return chat_ids(tokenizer, messages, generation_prompt=True)
+    except Exception as error:  # jinja's TemplateError, or raise_exception() inside the template
+        raise ArgumentError(
+            f"--dataset-text-field: the policy's chat template refused the messages of {place} "
+            f"({first_line(error)}); change those messages (e.g. fold a system message into "
+            "the first user message)"
+        ) from None
+
+
+def load_models(args, tokenizer, rows):
+    """Policy, reference and the reward model (a RewardSource, or None). They load before the Accelerator, so
+    every rank gets the same full weights, which the DeepSpeed engines then shard (after Accelerator() under a
+    ZeRO-3 plugin, from_pretrained would shard while loading). Every model loads in float32, whatever the
+    checkpoint's dtype: the optimizer steps float32 weights (stepping bf16 weights directly would round most small
+    updates away), and the reference must compute exactly what the policy does before its first step. Mixed
+    precision is accelerate's autocast (or DeepSpeed's bf16, with float32 master weights)."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     if args.sft_model_path is None:
@@ -951,23 +1100,47 @@ def load_models(args, tokenizer):
         ref_policy = toy_policy(tokenizer, args.seed)  # the same seed: the same initial weights
     else:
         load = functools.partial(load_pretrained, args.sft_model_path, "--sft-model-path", AutoModelForCausalLM)
-        policy, ref_policy = load(args.trust_remote_code), load(args.trust_remote_code)
-    reward_model, reward_tokenizer = None, None
+        policy, ref_policy = (load(args.trust_remote_code, dtype=torch.float32) for _ in range(2))
+    reward = None
     if args.reward_model_path:
         load = functools.partial(load_pretrained, args.reward_model_path, "--reward-model-path")
-        reward_model = load(AutoModelForSequenceClassification, args.trust_remote_code)
+        model = load(AutoModelForSequenceClassification, args.trust_remote_code, dtype=torch.float32)
         reward_tokenizer = load(AutoTokenizer, args.trust_remote_code)
-        if reward_tokenizer.get_vocab() == tokenizer.get_vocab():
-            reward_tokenizer = None  # same vocabulary: score the policy's token ids directly
-        else:
-            reward_tokenizer.padding_side = "left"
-            reward_tokenizer.pad_token = reward_tokenizer.pad_token or reward_tokenizer.eos_token
-    for model in (policy, ref_policy, reward_model):
+        # decoder classifiers (GPT-2, Llama, Qwen2, GPT-NeoX...) have a `score` head read at the last token;
+        # encoders (BERT, RoBERTa, DeBERTa...) pool their first token through their own forward
+        decoder = hasattr(model, "score")
+        if decoder and reward_tokenizer.get_vocab() == tokenizer.get_vocab():
+            reward_tokenizer = None  # the same vocabulary: score the policy's token ids directly
+        flag = f"--reward-model-path {args.reward_model_path}"
+        reward = RewardSource("reward_model", flag, model=model, tokenizer=reward_tokenizer, decoder=decoder)
+        check_reward_model(reward, tokenizer, rows[0][args.dataset_text_field])
+    for model in (policy, ref_policy, reward and reward.model):
         if model is not None:
             disable_dropout(model)  # the log-probs of the rollout and of the update must come from the same function
     if args.gradient_checkpointing:
-        policy.gradient_checkpointing_enable()
-    return policy, ref_policy, reward_model, reward_tokenizer
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return policy, ref_policy, reward
+
+
+def check_reward_model(source, tokenizer, prompt):
+    """Score one short completion of the first prompt, as the run will: what cannot be scored fails here."""
+    render_tokenizer = source.tokenizer or tokenizer
+    if isinstance(prompt, list) and getattr(render_tokenizer, "chat_template", None) is None:
+        raise ArgumentError(
+            f"{source.flag}: the prompts are chat messages, but the reward model's tokenizer has no "
+            "chat template to render them with"
+        )
+    try:
+        ids = render_for_reward(render_tokenizer, prompt, " hello", stopped=True)
+        ids, mask = pad_batch([ids], render_tokenizer.pad_token_id)
+        with torch.no_grad():
+            value = reward_model_values(source, source.model, ids, mask, torch.tensor([ids.shape[1] - 1]))
+        assert value.shape == (1,), f"one value per sequence, got shape {tuple(value.shape)}"
+    except Exception as error:
+        raise ArgumentError(
+            f"{source.flag}: rloo.py cannot score with this model ({first_line(error)}); it needs "
+            "a sequence classifier with one label (AutoModelForSequenceClassification)"
+        ) from None
 
 
 def disable_dropout(model):
@@ -1116,17 +1289,14 @@ def resume_or_seed(run, resume_dir, saved):
             f.writelines(line + "\n" for line in lines if json.loads(line)["update"] <= run.start_update)
 
 
-def next_queries(args, prompts, update, rank, pad_token_id):
-    """This rank's B prompts of the update, left-padded and repeated k times k-major: (k*B, P) ids and mask. One
-    shuffled order per pass over the prompts, the same on every rank; each rank takes its slice."""
+def batch_indices(args, num_prompts, update, rank):
+    """This rank's B prompt indices for the update. One shuffled order per pass over the prompts, the same on
+    every rank; each rank takes its slice."""
     B = args.local_dataloader_batch_size
-    batches_per_pass = len(prompts) // (B * args.world_size)
-    order = torch.randperm(
-        len(prompts), generator=torch.Generator().manual_seed(args.seed + update // batches_per_pass)
-    )
+    batches_per_pass = num_prompts // (B * args.world_size)
+    order = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(args.seed + update // batches_per_pass))
     start = ((update % batches_per_pass) * args.world_size + rank) * B
-    queries, query_mask = pad_left([prompts[i] for i in order[start : start + B].tolist()], pad_token_id)
-    return queries.repeat(args.rloo_k, 1), query_mask.repeat(args.rloo_k, 1)
+    return order[start : start + B].tolist()
 
 
 @contextlib.contextmanager
@@ -1149,12 +1319,29 @@ def optimizer_step(run):
     accelerator = run.accelerator
     if not accelerator.sync_gradients or run.deepspeed:
         return 0
-    grad_norm = accelerator.clip_grad_norm_(run.policy.parameters(), run.args.max_grad_norm)
+    max_norm = run.args.max_grad_norm or math.inf  # 0: no clipping, but the norm is still checked
+    grad_norm = accelerator.clip_grad_norm_(run.policy.parameters(), max_norm)
     finite = math.isfinite(grad_norm)  # one host sync per optimizer step
     if finite or accelerator.scaler is not None:
         run.optimizer.step()  # under fp16 the grad scaler itself skips a non-finite step
     run.optimizer.zero_grad()
     return int(not finite)
+
+
+def rollout_sums(run, responses, response_mask, old_logprobs, sequence_kl, raw_scores, scores, rewards):
+    """The rollout's sums for the metrics (this rank's; update_metrics adds them up over every rank)."""
+    args = run.args
+    grouped = raw_scores.view(args.rloo_k, -1)  # (k, B)
+    sums = {
+        "kl": sequence_kl.sum(),
+        "neglogp": (-old_logprobs[response_mask]).sum(),
+        "scores": raw_scores.sum(),
+        "rlhf": (scores - args.kl_coef * sequence_kl).sum(),
+        "generated": response_mask.sum(),
+        "eos": ((responses == run.tokenizer.eos_token_id) & response_mask).sum(),
+        "zero_std": (grouped == grouped[0]).all(0).sum(),  # prompts whose k scores are all equal
+    }
+    return sums | {f"rewards/{name}": values.sum() for name, values in rewards.items()}
 
 
 @torch.no_grad()
@@ -1204,6 +1391,8 @@ def update_metrics(run, update, stats, lr, times):
         "val/ratio": mean_ratio,
         "val/ratio_var": max(totals["ratio_sq"] / terms - mean_ratio**2, 0.0),
         "val/num_eos_tokens": totals["eos"],
+        "frac_reward_zero_std": totals["zero_std"] * args.rloo_k / n,  # of the prompts (n / k of them)
+        **{key: total / n for key, total in totals.items() if key.startswith("rewards/")},  # before weighting
         "train/skipped_steps": run.skipped_steps,
         # where this update's time went; "other" is everything since the previous update's training ended
         # (its metrics, logging and checkpoint, then this update's data)

@@ -1,11 +1,13 @@
 """Tests of rloo.py.
 
-The unit part (the top section) checks the pure functions of the trainer against numbers derived by hand or from
-plain-Python loops written here, never against output copied from a run; the distributed statistics are checked
-with two gloo processes. The end-to-end part runs rloo.py through `accelerate launch` in subprocesses: one process,
-and two processes under DeepSpeed ZeRO-3 and under DDP, on the CPU over gloo. No GPU, no network:
+Unit tests (the sections without the `slow` mark) check the pure functions of the trainer against numbers derived
+by hand or from plain-Python loops written here, never against output copied from a run; the distributed statistics
+are checked with two gloo processes. End-to-end tests (marked `slow`) run rloo.py through `accelerate launch` in
+subprocesses: one process, and two processes under DeepSpeed ZeRO-3 and under DDP, on the CPU over gloo. No GPU, no
+network:
 
-    HF_HUB_OFFLINE=1 python -m pytest -q test_rloo.py
+    HF_HUB_OFFLINE=1 python -m pytest -q -m "not slow" test_rloo.py     # the unit tests, under a minute
+    HF_HUB_OFFLINE=1 python -m pytest -q test_rloo.py                   # everything, as CI runs it
 """
 
 import copy
@@ -29,12 +31,15 @@ from torch.testing import assert_close
 
 import rloo
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-RLOO_PY = os.path.join(HERE, "rloo.py")
+ROOT = pathlib.Path(__file__).resolve().parent  # the repository
+RLOO_PY = str(ROOT / "rloo.py")
+slow = pytest.mark.slow
 
 
-def subprocess_env():
-    env = dict(os.environ, HF_HUB_OFFLINE="1", COLUMNS="200", PYTHONPATH=HERE)
+def subprocess_env(pythonpath=ROOT, **extra):
+    """The environment of every subprocess: offline, one thread per process, DeepSpeed on its CPU accelerator."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
+               TOKENIZERS_PARALLELISM="false", COLUMNS="200", PYTHONPATH=str(pythonpath), **extra)  # fmt: skip
     env.pop("PYTHONSTARTUP", None)
     return env
 
@@ -414,7 +419,42 @@ def test_logprobs_from_logits_gradient():
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# 7. get_reward
+# 7. reward models: get_reward (decoders), reward_model_values (encoders), render_for_reward
+
+
+def char_tokenizer(bos=None, eos="<|endoftext|>", pad="<|pad|>", chat_template=None):
+    """The toy's character vocabulary with other conventions: a BOS added to every text by a post-processor (as
+    Llama's tokenizer does), pad == eos, a chat template."""
+    from tokenizers import Tokenizer, decoders, models, processors
+    from transformers import PreTrainedTokenizerFast
+
+    tokens = [chr(c) for c in range(32, 127)] + ["\n"] + list(dict.fromkeys([pad, eos, "<|unk|>"] + ([bos] if bos else [])))
+    inner = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[], unk_token="<|unk|>"))
+    inner.decoder = decoders.Fuse()
+    if bos:
+        inner.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, tokens.index(bos))])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=inner, bos_token=bos, eos_token=eos, pad_token=pad,
+                                        unk_token="<|unk|>", padding_side="left")  # fmt: skip
+    tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+def bert_reward_model(seed=3):
+    """A tiny BERT sequence classifier and its WordPiece tokenizer, which adds [CLS] ... [SEP]."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import BertConfig, BertForSequenceClassification, PreTrainedTokenizerFast
+
+    characters = [chr(c) for c in range(33, 127)]
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]"] + characters + ["##" + c for c in characters]
+    inner = Tokenizer(models.WordPiece({t: i for i, t in enumerate(vocab)}, unk_token="[UNK]"))
+    inner.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    inner.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=inner, pad_token="[PAD]", unk_token="[UNK]",
+                                        cls_token="[CLS]", sep_token="[SEP]")  # fmt: skip
+    torch.manual_seed(seed)
+    config = BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=64, max_position_embeddings=256, num_labels=1)  # fmt: skip
+    return BertForSequenceClassification(config).eval(), tokenizer
 
 
 @pytest.fixture(scope="module", params=["gpt_neox", "gpt2"])
@@ -473,8 +513,54 @@ def test_get_reward(tiny_reward_model):
         assert not torch.allclose(rloo.get_reward(model, changed, mask, last_index), got)
 
 
+def test_encoder_reward_model_scores_each_text_as_alone():
+    model, tokenizer = bert_reward_model()
+    texts = ["Describe the sea: waves", "a cat!", "Tell me of rain: it falls and falls again"]
+    encoded = [rloo.render_for_reward(tokenizer, text, "", stopped=True) for text in texts]
+    assert all(ids[0] == tokenizer.cls_token_id and ids[-1] == tokenizer.sep_token_id for ids in encoded)
+    ids, mask = rloo.pad_batch(encoded, tokenizer.pad_token_id, left=False)  # an encoder counts positions from 0
+    source = rloo.RewardSource("reward_model", "--reward-model-path x", model=model, decoder=False)
+    with torch.no_grad():
+        got = rloo.reward_model_values(source, model, ids, mask, None)
+        alone = torch.stack([model(input_ids=torch.tensor([row])).logits[0, 0] for row in encoded])
+    assert got.shape == (3,)
+    assert_close(got, alone, rtol=1e-5, atol=1e-5)
+
+
+def test_render_for_reward_uses_the_reward_tokenizers_conventions():
+    llama = char_tokenizer(bos="<s>", eos="</s>", pad="</s>")
+    bos, eos = llama.bos_token_id, llama.eos_token_id
+    body = llama("Say hi: hello", add_special_tokens=False)["input_ids"]
+    # its BOS, the text, and its eos only after a completion that stopped
+    assert rloo.render_for_reward(llama, "Say hi:", " hello", stopped=True) == [bos] + body + [eos]
+    assert rloo.render_for_reward(llama, "Say hi:", " hello", stopped=False) == [bos] + body
+    # an encoder's [CLS] ... [SEP]; it has no eos to add
+    _, bert = bert_reward_model()
+    encoded = rloo.render_for_reward(bert, "Say hi:", " hello", stopped=True)
+    assert encoded == bert("Say hi: hello")["input_ids"] and encoded[0] == bert.cls_token_id
+    # chat prompts: its own template, with the completion as the assistant's turn
+    chat = char_tokenizer(chat_template="{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}")
+    messages = [{"role": "user", "content": "hi"}]
+    expected = chat("[user] hi\n[assistant] yo\n", add_special_tokens=False)["input_ids"]
+    assert rloo.render_for_reward(chat, messages, "yo", stopped=True) == expected
+
+
 # ----------------------------------------------------------------------------------------------------------------
-# 9. toy_reward
+# 8. the toy task
+
+
+def test_toy_tokenizer_is_printable_and_round_trips():
+    tokenizer = rloo.toy_tokenizer()
+    assert len(tokenizer) == 99  # 95 printable ASCII characters, newline, pad, eos, unk
+    special = {tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id}
+    assert len(special) == 3 and special == {96, 97, 98}
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 99, (500,), generator=g).tolist()
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    assert text == "".join(tokenizer.convert_ids_to_tokens(i) for i in ids if i not in special)
+    assert all(c.isprintable() or c == "\n" for c in text)
+    assert tokenizer(text)["input_ids"] == [i for i in ids if i not in special]  # one token per character, back
+    assert tokenizer("é")["input_ids"] == [tokenizer.unk_token_id]  # what it cannot write is unk, never dropped
 
 
 def test_toy_reward_by_hand():
@@ -485,7 +571,62 @@ def test_toy_reward_by_hand():
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# 10. flag checks: validate_args (the flags alone) and resolve_args (with the tokenizer and the number of prompts)
+# 9. flags: validate_args (the flags alone), resolve_args (with the tokenizer and the prompts), the command line
+
+
+def run_main(tmp_path, **fields):
+    """rloo.main in this process, for the checks that fire before any model is loaded or trained."""
+    fields.setdefault("output_dir", str(tmp_path / "out"))
+    with pytest.raises(SystemExit) as error:
+        rloo.main(rloo.Args(**fields))
+    return str(error.value.code)
+
+
+@pytest.mark.parametrize(
+    "fields, flag",
+    [
+        (dict(rloo_k=1), "--rloo-k"),
+        (dict(per_device_train_batch_size=6, rloo_k=4), "--rloo-k"),
+        (dict(per_device_train_batch_size=6, rloo_k=4), "--per-device-train-batch-size"),
+        (dict(response_length=0), "--response-length"),
+        (dict(temperature=0.0), "--temperature"),
+        (dict(temperature=math.nan), "--temperature"),
+        (dict(cliprange=0.0), "--cliprange"),
+        (dict(kl_coef=-0.1), "--kl-coef"),
+        (dict(reward_clip_range=0.0), "--reward-clip-range"),
+        (dict(learning_rate=0.0), "--learning-rate"),
+        (dict(total_episodes=4), "--total-episodes"),
+        (dict(total_episodes=0), "--total-episodes"),
+        (dict(num_mini_batches=0), "--num-mini-batches"),
+        (dict(missing_eos_penalty=1.0), "--missing-eos-penalty"),
+        (dict(max_grad_norm=-1.0), "--max-grad-norm"),
+        (dict(save_total_limit=-1), "--save-total-limit"),
+        (dict(save_total_limit=0), "--save-total-limit"),
+        (dict(num_train_epochs=0.0), "--num-train-epochs"),
+        (dict(num_train_epochs=-2.0), "--num-train-epochs"),
+        (dict(stop_token_id=99), "--stop-token-id"),  # the toy vocabulary has 99 tokens: 0..98
+        (dict(stop_token_id=-1), "--stop-token-id"),
+        (dict(seed=2**32), "--seed"),
+        (dict(seed=-1), "--seed"),
+        (dict(reward_weights=[1.0, 2.0]), "--reward-weights"),  # the toy has one reward source
+        (dict(reward_weights=[math.inf]), "--reward-weights"),
+        (dict(max_prompt_length=0), "--max-prompt-length"),
+        (dict(num_sample_generations=-1), "--num-sample-generations"),
+    ],
+)
+def test_flag_checks(tmp_path, fields, flag):
+    message = run_main(tmp_path, **fields)
+    assert flag in message and "\n" not in message
+    assert not (tmp_path / "out").exists()  # nothing was written
+
+
+def test_bad_flag_exits_with_one_line_and_no_traceback(tmp_path):
+    proc = subprocess.run([sys.executable, RLOO_PY, "--rloo-k", "1", "--output-dir", str(tmp_path / "o")],
+                          capture_output=True, text=True, env=subprocess_env(), timeout=120)  # fmt: skip
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--rloo-k" in lines[0], proc.stderr
 
 
 def check_flags(world_size=1, num_prompts=256, **changes):
@@ -515,11 +656,8 @@ def test_flag_checks_accept_defaults_and_valid_combinations():
     check_flags(world_size=8, num_prompts=1000)
     check_flags(missing_eos_penalty=1.0, stop_token="eos")
     check_flags(missing_eos_penalty=1.0, stop_token_id=3)
-    check_flags(per_device_train_batch_size=6, rloo_k=3, kl_coef=0.0)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# 11. the command line
+    check_flags(per_device_train_batch_size=6, rloo_k=3, kl_coef=0.0, max_grad_norm=0.0)
+    check_flags(seed=2**32 - 1)
 
 
 def test_cli_parses_flags():
@@ -528,6 +666,8 @@ def test_cli_parses_flags():
     assert tyro.cli(rloo.Args, args=["--no-token-level-kl"]).token_level_kl is False
     args = tyro.cli(rloo.Args, args=["--stop-token", "eos", "--missing-eos-penalty", "1.5", "--kl-coef", "0.1"])
     assert (args.stop_token, args.missing_eos_penalty, args.kl_coef) == ("eos", 1.5, 0.1)
+    args = tyro.cli(rloo.Args, args=["--reward-fn", "a:b", "c:d", "--reward-weights", "1", "0.5"])
+    assert (args.reward_fn, args.reward_weights) == (["a:b", "c:d"], [1.0, 0.5])
 
 
 TRL_FLAGS = (
@@ -540,12 +680,20 @@ TRL_FLAGS = (
 ).split()
 
 
-def test_cli_help_lists_trl_flags():
-    result = subprocess.run([sys.executable, RLOO_PY, "--help"], capture_output=True, text=True, cwd=HERE,
+def test_cli_help_lists_trl_flags_and_each_default_once():
+    result = subprocess.run([sys.executable, RLOO_PY, "--help"], capture_output=True, text=True, cwd=ROOT,
                             env=subprocess_env(), timeout=120)  # fmt: skip
     assert result.returncode == 0, result.stderr
     missing = [f for f in TRL_FLAGS if not re.search(rf"(?<![\w-]){re.escape(f)}(?![\w-])", result.stdout)]
     assert not missing, missing
+    assert "(default: (default" not in result.stdout and result.stdout.count("(default:") == len(
+        [f for f in dataclasses.fields(rloo.Args) if f.name not in DERIVED]
+    )
+    assert "--batch-size" not in result.stdout  # the derived sizes are not flags
+
+
+DERIVED = ("world_size", "local_batch_size", "batch_size", "local_mini_batch_size", "local_dataloader_batch_size",
+           "num_total_batches")  # fmt: skip
 
 
 def test_defaults_equal_trl():
@@ -561,6 +709,119 @@ def test_defaults_equal_trl():
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# 10. prompts: load_prompts
+
+
+def prompts_of(tmp_path, lines, tokenizer=None, **fields):
+    path = tmp_path / "data.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    args = rloo.Args(dataset_name=str(path), **fields)
+    return rloo.load_prompts(args, tokenizer or rloo.toy_tokenizer(), str(path), "train", "--dataset-name")
+
+
+@pytest.mark.parametrize(
+    "lines, words",
+    [
+        (['{"prompt": null}'], ["line 1", "'prompt'", "null"]),
+        (['{"prompt": "a"}', '{"prompt": 5}'], ["line 2", "a number"]),
+        (['{"prompt": "a"}', '{"prompt": {"text": "b"}}'], ["line 2", "a JSON object"]),
+        (['{"prompt": "a"}', '{"text": "b"}'], ["--dataset-text-field", "line 2", "text"]),
+        (['{"prompt": "a"}', "null"], ["line 2", "null", "not a JSON object"]),
+        (['{"prompt": "a"}', "7"], ["line 2", "a number", "not a JSON object"]),
+        (['[{"prompt": "a"}]'], ["line 1", "a JSON array"]),
+        (['{"prompt": "\\ud800 x"}'], ["line 1", "lone surrogate"]),
+        (['{"prompt": [{"role": "user", "content": 3}]}'], ["line 1", "content"]),
+        (['{"prompt": "a"}'] * 100 + ['{"prompt": "b"'], ["line 101", "not valid JSON"]),
+        (['{"prompt": "a"}', "", '{"prompt": '], ["line 3", "not valid JSON"]),
+    ],
+)
+def test_bad_data_is_one_line_naming_the_line(tmp_path, lines, words):
+    with pytest.raises(rloo.ArgumentError) as error:
+        prompts_of(tmp_path, lines)
+    message = str(error.value.code)
+    assert "\n" not in message and "data.jsonl" in message or "--dataset-text-field" in message
+    for word in words:
+        assert word in message, message
+
+
+def test_prompts_keep_the_tokenizers_bos_and_every_column(tmp_path):
+    tokenizer = char_tokenizer(bos="<s>", eos="</s>", pad="</s>")
+    prompts, rows, dropped = prompts_of(tmp_path, ['{"prompt": "Hi:", "answer": 3}', '{"prompt": "' + "x" * 40 + '"}'],
+                                        tokenizer, max_prompt_length=10)  # fmt: skip
+    assert prompts == [[tokenizer.bos_token_id] + tokenizer("Hi:", add_special_tokens=False)["input_ids"]]
+    assert rows == [{"prompt": "Hi:", "answer": 3}] and dropped == 1
+
+
+def test_chat_prompts_use_the_chat_template(tmp_path):
+    template = "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+    tokenizer = char_tokenizer(bos="<s>", eos="</s>", pad="</s>", chat_template=template)
+    lines = [json.dumps({"messages": [{"role": "user", "content": "hi there"}]}),
+             json.dumps({"messages": [{"role": "user", "content": "x" * 300}]})]  # fmt: skip
+    prompts, rows, dropped = prompts_of(tmp_path, lines, tokenizer, dataset_text_field="messages", max_prompt_length=100)
+    # the template rendered by hand: its own BOS, once; the 300-character prompt is over max_prompt_length
+    expected = tokenizer("user: hi there\nassistant:", add_special_tokens=False)["input_ids"]
+    assert prompts == [[tokenizer.bos_token_id] + expected] and dropped == 1
+    assert rows == [json.loads(lines[0])]
+
+
+def test_chat_prompts_without_a_usable_template_are_one_line(tmp_path):
+    lines = [json.dumps({"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]})]
+    with pytest.raises(rloo.ArgumentError, match="--dataset-text-field.*no chat template"):
+        prompts_of(tmp_path, lines)  # the toy tokenizer has no chat template
+    refusing = char_tokenizer(chat_template=(
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+        "{% endif %}{{ m['content'] }}{% endfor %}"))  # fmt: skip
+    with pytest.raises(rloo.ArgumentError) as error:
+        prompts_of(tmp_path, lines, refusing)
+    message = str(error.value.code)
+    assert "--dataset-text-field" in message and "System role not supported" in message and "line 1" in message
+
+
+def test_prompts_left_out_for_length_are_counted(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": "y" * (5 if n == 0 else 80)}) for n in range(256)) + "\n")
+    message = run_main(tmp_path, dataset_name=str(path), max_prompt_length=50)
+    assert "255" in message and "--max-prompt-length 50" in message and "1 prompts" in message
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 11. reward functions: the columns they are given, and their checks at start-up
+
+
+def test_reward_functions_get_the_columns_they_name():
+    seen = {}
+
+    def named(prompts, completions, answer):
+        seen["named"] = answer
+        return [1.0] * len(completions)
+
+    def everything(prompts, completions, **kwargs):
+        seen["everything"] = kwargs
+        return [2.0] * len(completions)
+
+    def old_style(p, c):
+        return [3.0] * len(c)
+
+    columns = {"answer": [4, 5], "source": ["x", "y"]}
+    for fn, value in [(named, 1.0), (everything, 2.0), (old_style, 3.0)]:
+        source = rloo.RewardSource(fn.__name__, f"--reward-fn m:{fn.__name__}", fn=fn)
+        assert rloo.call_reward_fn(source, ["p", "q"], ["a", "b"], columns) == [value, value]
+    assert seen == {"named": [4, 5], "everything": columns}
+
+
+@pytest.mark.parametrize(
+    "function, words",
+    [("no_module_here:fn", "cannot import"), ("test_rewards:missing", "cannot import"),
+     ("test_rewards:wrong_count", "numbers"), ("test_rewards:not_numbers", "not a number"),
+     ("test_rewards:always_nan", "NaN")],
+)  # fmt: skip
+def test_reward_fn_validation(workdir, tmp_path, monkeypatch, function, words):
+    monkeypatch.chdir(workdir)
+    message = run_main(tmp_path, reward_fn=[function])
+    assert "--reward-fn" in message and words in message
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # 12. `import rloo` runs nothing
 
 
@@ -568,7 +829,7 @@ def test_import_runs_nothing(tmp_path):
     cwd, report = tmp_path / "cwd", tmp_path / "modules.txt"
     cwd.mkdir()
     code = ("import sys, rloo; open(sys.argv[1], 'w').write(repr((rloo.__file__, sorted(m for m in "
-            "('accelerate', 'deepspeed', 'transformers', 'datasets') if m in sys.modules))))")  # fmt: skip
+            "('accelerate', 'deepspeed', 'transformers', 'datasets', 'peft') if m in sys.modules))))")  # fmt: skip
     result = subprocess.run([sys.executable, "-c", code, str(report)], capture_output=True, text=True, cwd=cwd,
                             env=subprocess_env(), timeout=120)  # fmt: skip
     assert result.returncode == 0, result.stderr
@@ -582,49 +843,50 @@ def test_import_runs_nothing(tmp_path):
 # ----------------------------------------------------------------------------------------------------------------
 # end to end: rloo.py through `accelerate launch` in a subprocess, offline, with tiny local models
 
-ROOT = pathlib.Path(__file__).resolve().parent
 METRIC_NAMES = [
     "objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward", "objective/scores",
     "policy/approxkl_avg", "policy/clipfrac_avg", "loss/policy_avg", "policy/entropy_avg", "val/ratio",
-    "val/ratio_var", "val/num_eos_tokens", "lr", "episode", "eps", "train/skipped_steps",
+    "val/ratio_var", "val/num_eos_tokens", "lr", "episode", "eps", "train/skipped_steps", "frac_reward_zero_std",
     "time/generation", "time/scoring", "time/training", "time/other", "time/tokens_per_second", "time/peak_memory_mib",
 ]  # fmt: skip
 # a short run: 4 updates of 8 completions, 8 tokens each
 SHORT = ["--response-length", "8", "--total-episodes", "32", "--per-device-train-batch-size", "8",
          "--num-sample-generations", "0", "--local-rollout-forward-batch-size", "8"]  # fmt: skip
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
 
 REWARD_MODULE = '''
-import json, math, os, signal
-calls = 0
+import json, os, signal
+calls = {}
+
+def log(name, prompts, completions, scores, **columns):
+    """Record every call of a reward function, the start-up check included; returns the scores."""
+    calls[name] = calls.get(name, 0) + 1
+    if os.environ.get("RLOO_TEST_LOG"):
+        with open(f"{os.environ['RLOO_TEST_LOG']}.{name}.{os.environ.get('RANK', '0')}", "a") as f:
+            f.write(json.dumps({"prompts": prompts, "completions": completions, "scores": scores, **columns}) + "\\n")
+    return scores
 
 def vowels(prompts, completions):
-    """Lowercase vowels per completion; RLOO_TEST_* variables make it log, preempt its process, or turn to NaN."""
-    global calls
-    calls += 1  # call 1 is rloo.py's start-up check
+    """Lowercase vowels per completion; RLOO_TEST_* variables make it preempt its process or turn to NaN."""
+    call = calls.get("vowels", 0) + 1  # call 1 is rloo.py's start-up check
     scores = [float(sum(c in "aeiou" for c in text)) for text in completions]
-    if os.environ.get("RLOO_TEST_NAN_FROM") and calls >= int(os.environ["RLOO_TEST_NAN_FROM"]):
-        scores = [float("nan")] * len(completions)
-    if calls > 1:
-        log(prompts, completions, scores)
-    if os.environ.get("RLOO_TEST_KILL_AT") and calls == int(os.environ["RLOO_TEST_KILL_AT"]):
+    if os.environ.get("RLOO_TEST_NAN_FROM") and call >= int(os.environ["RLOO_TEST_NAN_FROM"]):
+        scores = [float(os.environ.get("RLOO_TEST_NAN_VALUE", "nan"))] * len(completions)
+    if os.environ.get("RLOO_TEST_KILL_AT") and call == int(os.environ["RLOO_TEST_KILL_AT"]):
         if os.environ.get("RANK", "0") == "0":  # like a scheduler's preemption, seen first by one rank
             os.kill(os.getpid(), signal.SIGTERM)
-    return scores
+    return log("vowels", prompts, completions, scores)
 
-def log(prompts, completions, scores):
-    if os.environ.get("RLOO_TEST_LOG"):
-        with open(os.environ["RLOO_TEST_LOG"] + "." + os.environ.get("RANK", "0"), "a") as f:
-            f.write(json.dumps({"prompts": prompts, "completions": completions, "scores": scores}) + "\\n")
+def columns(prompts, completions, answer, **kwargs):
+    """A verifiable reward: the dataset's `answer` column (computable from the prompt) modulo 5."""
+    return log("columns", prompts, completions, [float(a % 5) for a in answer], answer=answer, **kwargs)
 
 def constant(prompts, completions):
-    return [0.0] * len(completions)
+    return [1.0] * len(completions)
 
-def spread(prompts, completions):
-    """Distinct values per completion: the length of the text plus the rank of its character sum."""
-    scores = [float(len(text)) + 0.01 * (sum(map(ord, text)) % 97) for text in completions]
-    if len(prompts) > 2:  # not rloo.py's start-up check
-        log(prompts, completions, scores)
-    return scores
+def distinct(prompts, completions):
+    """A different value for every completion of a call."""
+    return log("distinct", prompts, completions, [i + 0.01 * len(text) for i, text in enumerate(completions)])
 
 def huge(prompts, completions):
     return [100.0] * len(completions)
@@ -640,17 +902,38 @@ def always_nan(prompts, completions):
 '''
 
 
+def eos_likely(policy, tokenizer, p=0.2, temperature=0.7):
+    """Whatever the input, sample eos with probability p at `temperature` and a printable character otherwise
+    (never pad or unk): the final layer norm outputs a constant unit vector, whose output column holds the logits."""
+    with torch.no_grad():
+        norm, head = policy.gpt_neox.final_layer_norm, policy.get_output_embeddings()
+        norm.weight.zero_()
+        norm.bias.zero_()
+        norm.bias[0] = 1.0
+        head.weight[:, 0] = 0.0
+        printable = len(tokenizer) - 3  # pad, eos, unk come last in the toy vocabulary
+        head.weight[tokenizer.eos_token_id, 0] = temperature * math.log(p * printable / (1 - p))
+        head.weight[[tokenizer.pad_token_id, tokenizer.unk_token_id], 0] = -1e4
+    return policy
+
+
 @pytest.fixture(scope="session")
 def workdir(tmp_path_factory):
-    """A tiny policy and reward model (the toy tokenizer), a reward model whose tokenizer differs, and the
-    reward functions, all in one temporary directory."""
-    from transformers import GPTNeoXForSequenceClassification
+    """Tiny local models and data in one temporary directory: the toy policy (also with a chat template, and in an
+    eos-likely variant), GPT-NeoX reward models (the policy's tokenizer, another tokenizer, two labels), a BERT
+    reward model, a Llama policy saved in bf16 whose tokenizer adds BOS, the reward functions, a chat dataset."""
+    from transformers import GPTNeoXForSequenceClassification, LlamaConfig, LlamaForCausalLM
 
     root = tmp_path_factory.mktemp("rloo")
     tokenizer = rloo.toy_tokenizer()
     policy = rloo.toy_policy(tokenizer, seed=0)
-    policy.save_pretrained(root / "policy")
-    tokenizer.save_pretrained(root / "policy")
+    for name, chat_template in [("policy", None), ("policy_chat", CHAT_TEMPLATE)]:
+        policy.save_pretrained(root / name)
+        tokenizer.chat_template = chat_template
+        tokenizer.save_pretrained(root / name)
+    tokenizer.chat_template = None
+    eos_likely(copy.deepcopy(policy), tokenizer).save_pretrained(root / "policy_eos")
+    tokenizer.save_pretrained(root / "policy_eos")
     config = copy.deepcopy(policy.config)
     config.num_labels = 1
     torch.manual_seed(1)
@@ -664,7 +947,24 @@ def workdir(tmp_path_factory):
     other.save_pretrained(root / "reward_other_tokenizer")
     config.num_labels = 2
     GPTNeoXForSequenceClassification(config).save_pretrained(root / "reward_two_labels")
+    bert, bert_tokenizer = bert_reward_model()
+    bert.save_pretrained(root / "reward_bert")
+    bert_tokenizer.save_pretrained(root / "reward_bert")
+    llama_tokenizer = char_tokenizer(bos="<s>", eos="</s>", pad="</s>")
+    torch.manual_seed(2)
+    llama = LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(llama_tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        bos_token_id=llama_tokenizer.bos_token_id, eos_token_id=llama_tokenizer.eos_token_id,
+        pad_token_id=llama_tokenizer.pad_token_id,
+    ))  # fmt: skip
+    llama.to(torch.bfloat16).save_pretrained(root / "llama_bf16")
+    llama_tokenizer.save_pretrained(root / "llama_bf16")
     (root / "test_rewards.py").write_text(REWARD_MODULE)
+    subjects = ["the sea", "a cat", "the moon", "old trees", "rain", "a city", "bread", "the wind"]
+    rows = [{"messages": [{"role": "user", "content": f"Describe {s}"}], "answer": len(f"Describe {s}"), "tag": f"t{n}"}
+            for n, s in enumerate(subjects)]  # fmt: skip
+    (root / "chat.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     return root
 
 
@@ -672,8 +972,7 @@ def launch(workdir, output, *flags, backend="single", env=None, check=True):
     """`accelerate launch rloo.py` in a subprocess: one process, 2-process ZeRO-3 (ds_zero3.yaml) or 2-process DDP."""
     command = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", "1", "--mixed_precision", "no",
                "--dynamo_backend", "no"]  # fmt: skip
-    run_env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
-                   TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(workdir), **(env or {}))  # fmt: skip
+    run_env = subprocess_env(pythonpath=workdir, **(env or {}))
     if backend == "zero3":
         command += ["--config_file", str(ROOT / "ds_zero3.yaml"), "--num_processes", "2"]
     elif backend == "ddp":
@@ -681,7 +980,7 @@ def launch(workdir, output, *flags, backend="single", env=None, check=True):
         run_env["ACCELERATE_USE_CPU"] = "true"
     else:
         command += ["--num_processes", "1"]
-    command += [str(ROOT / "rloo.py"), "--output-dir", str(output), *flags]
+    command += [RLOO_PY, "--output-dir", str(output), *flags]
     proc = subprocess.run(command, cwd=workdir, env=run_env, capture_output=True, text=True, timeout=900)
     if check and proc.returncode != 0:
         raise AssertionError(f"rloo.py failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
@@ -692,8 +991,10 @@ def read_metrics(output):
     return [json.loads(line) for line in (pathlib.Path(output) / "metrics.jsonl").read_text().splitlines()]
 
 
-def read_log(path):
-    return [json.loads(line) for line in pathlib.Path(path).read_text().splitlines()]
+def read_calls(log, name, rank=0):
+    """The logged calls of a reward function during training: the first call, rloo.py's start-up check, is left out."""
+    lines = pathlib.Path(f"{log}.{name}.{rank}").read_text().splitlines()
+    return [json.loads(line) for line in lines[1:]]
 
 
 def load_weights(directory):
@@ -702,6 +1003,11 @@ def load_weights(directory):
     return load_file(str(pathlib.Path(directory) / "model.safetensors"))
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# 13. end to end on one process
+
+
+@slow
 def test_toy_run_writes_every_metric(workdir, tmp_path):
     proc = launch(workdir, tmp_path / "out", "--rloo-k", "4", *SHORT[:-4], "--num-sample-generations", "2")
     metrics = read_metrics(tmp_path / "out")
@@ -711,6 +1017,7 @@ def test_toy_run_writes_every_metric(workdir, tmp_path):
         assert set(METRIC_NAMES) <= set(m), set(METRIC_NAMES) - set(m)
         assert all(math.isfinite(m[name]) for name in METRIC_NAMES)
         assert m["eps"] > 0
+        assert m["rewards/toy_reward"] == m["objective/scores"]  # one source, weight 1, no penalty
     # linear decay from the toy's 1e-3 to 0 over exactly 4 updates
     assert [m["lr"] for m in metrics] == pytest.approx([1e-3, 0.75e-3, 0.5e-3, 0.25e-3])
     assert metrics[0]["objective/kl"] == pytest.approx(0.0, abs=1e-5)  # policy == reference before any step
@@ -719,6 +1026,7 @@ def test_toy_run_writes_every_metric(workdir, tmp_path):
     assert (tmp_path / "out" / "model.safetensors").exists()
 
 
+@slow
 def test_local_models_save_a_model_that_reloads(workdir, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -733,23 +1041,19 @@ def test_local_models_save_a_model_that_reloads(workdir, tmp_path):
     assert all(math.isfinite(m["objective/scores"]) for m in read_metrics(tmp_path / "out"))
 
 
-def test_reward_model_with_another_tokenizer(workdir, tmp_path):
-    launch(workdir, tmp_path / "out", "--sft-model-path", str(workdir / "policy"), "--reward-model-path",
-           str(workdir / "reward_other_tokenizer"), *SHORT)  # fmt: skip
-    metrics = read_metrics(tmp_path / "out")
-    assert len(metrics) == 4 and all(math.isfinite(m["objective/scores"]) for m in metrics)
-
-
+@slow
 @pytest.mark.parametrize("token_level", [False, True])
 def test_first_ratio_is_one_with_one_epoch(workdir, tmp_path, token_level):
-    flags = ["--num-ppo-epochs", "1", "--rloo-k", "4"] + (["--token-level-kl"] if token_level else [])
-    launch(workdir, tmp_path / "out", *flags, *SHORT)
-    first = read_metrics(tmp_path / "out")[0]
-    assert first["val/ratio"] == 1.0
-    assert first["policy/clipfrac_avg"] == 0.0
-    assert first["policy/approxkl_avg"] == 0.0
+    flags = ["--num-ppo-epochs", "1", "--rloo-k", "4", "--reward-fn", "test_rewards:constant"]
+    launch(workdir, tmp_path / "out", *flags, *(["--token-level-kl"] if token_level else []), *SHORT)
+    metrics = read_metrics(tmp_path / "out")
+    assert metrics[0]["val/ratio"] == 1.0
+    assert metrics[0]["policy/clipfrac_avg"] == 0.0
+    assert metrics[0]["policy/approxkl_avg"] == 0.0
+    assert [m["frac_reward_zero_std"] for m in metrics] == [1.0] * 4  # a constant reward: every prompt's k tie
 
 
+@slow
 def test_token_level_kl_changes_the_loss(workdir, tmp_path):
     flags = ["--kl-coef", "0.5", "--num-ppo-epochs", "2", *SHORT]
     launch(workdir, tmp_path / "sequence", *flags)
@@ -758,17 +1062,18 @@ def test_token_level_kl_changes_the_loss(workdir, tmp_path):
     # the first rollout is the same (same seed, policy == reference: KL 0, so the advantages agree too)
     assert sequence[0]["objective/scores"] == token[0]["objective/scores"]
     # once the policy has moved, the KL enters each token's advantage instead of the sequence reward
-    assert all(m["objective/kl"] > 0 for m in sequence[1:])
+    assert all(m["objective/kl"] != 0 for m in sequence[1:])
     assert any(a["loss/policy_avg"] != pytest.approx(b["loss/policy_avg"], abs=1e-6) for a, b in zip(sequence[1:], token[1:]))
 
 
+@slow
 def test_reward_fn_scores_the_completions(workdir, tmp_path):
     log = tmp_path / "calls"
     launch(workdir, tmp_path / "out", "--reward-fn", "test_rewards:vowels", "--rloo-k", "4", *SHORT,
            "--save-steps", "1", "--save-total-limit", "2", env={"RLOO_TEST_LOG": str(log)})  # fmt: skip
     # a checkpoint after every update, the newest 2 kept
     assert sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-4"]
-    calls, metrics = read_log(str(log) + ".0"), read_metrics(tmp_path / "out")
+    calls, metrics = read_calls(log, "vowels"), read_metrics(tmp_path / "out")
     assert len(calls) == 4
     for call, m in zip(calls, metrics):
         assert len(call["completions"]) == 8
@@ -778,14 +1083,15 @@ def test_reward_fn_scores_the_completions(workdir, tmp_path):
         assert m["objective/scores"] == pytest.approx(sum(call["scores"]) / 8)
 
 
+@slow
 def test_missing_eos_penalty_uses_the_stop_token(workdir, tmp_path):
-    # the stop token is the byte "e", not eos: a completion has it iff its text ends with "e" after truncation
+    # the stop token is the character "e", not eos: a completion has it iff its text ends with "e" after truncation
     stop_id = rloo.toy_tokenizer().convert_tokens_to_ids("e")
     log = tmp_path / "calls"
     launch(workdir, tmp_path / "out", "--reward-fn", "test_rewards:vowels", "--stop-token-id", str(stop_id),
            "--missing-eos-penalty", "2.5", "--response-length", "48", "--total-episodes", "32",
            "--num-sample-generations", "0", env={"RLOO_TEST_LOG": str(log)})  # fmt: skip
-    calls, metrics = read_log(str(log) + ".0"), read_metrics(tmp_path / "out")
+    calls, metrics = read_calls(log, "vowels"), read_metrics(tmp_path / "out")
     saw_both = set()
     for call, m in zip(calls, metrics):
         for text in call["completions"]:
@@ -796,12 +1102,13 @@ def test_missing_eos_penalty_uses_the_stop_token(workdir, tmp_path):
     assert saw_both == {True, False}
 
 
+@slow
 @pytest.mark.parametrize("normalize", [False, True])
 def test_reward_normalization_and_clipping(workdir, tmp_path, normalize):
     log = tmp_path / "calls"
-    flags = ["--reward-fn", "test_rewards:spread", "--reward-clip-range", "0.5", "--kl-coef", "0.1", *SHORT]
+    flags = ["--reward-fn", "test_rewards:distinct", "--reward-clip-range", "0.5", "--kl-coef", "0.1", *SHORT]
     launch(workdir, tmp_path / "out", *flags, *(["--normalize-reward"] if normalize else []), env={"RLOO_TEST_LOG": str(log)})
-    call, first = read_log(str(log) + ".0")[0], read_metrics(tmp_path / "out")[0]
+    call, first = read_calls(log, "distinct")[0], read_metrics(tmp_path / "out")[0]
     scores = torch.tensor(call["scores"], dtype=torch.float64)
     if normalize:
         scores = (scores - scores.mean()) / (scores.var() + 1e-8).sqrt()  # unbiased variance, over the batch
@@ -809,9 +1116,101 @@ def test_reward_normalization_and_clipping(workdir, tmp_path, normalize):
     assert first["objective/scores"] == pytest.approx(sum(call["scores"]) / 8)  # the raw score is logged
     # update 1: policy == reference, so the KL is 0 and the RLHF reward is the clipped score
     assert first["objective/rlhf_reward"] == pytest.approx(clipped.mean().item(), abs=1e-5)
+    assert first["frac_reward_zero_std"] == 0.0  # every completion scored differently
 
 
-# ---- scale out: ZeRO-3 and DDP on 2 CPU processes
+# ----------------------------------------------------------------------------------------------------------------
+# 14. reward sources: functions that see the data, weights, reward models with their own tokenizers
+
+
+@slow
+def test_reward_functions_see_columns_and_chat_prompts_and_are_weighted(workdir, tmp_path):
+    log = tmp_path / "calls"
+    launch(workdir, tmp_path / "out", "--sft-model-path", "policy_chat", "--dataset-name", "chat.jsonl",
+           "--dataset-text-field", "messages", "--reward-fn", "test_rewards:columns", "test_rewards:vowels",
+           "--reward-weights", "0.5", "2.0", *SHORT, env={"RLOO_TEST_LOG": str(log)})  # fmt: skip
+    rows = [json.loads(line) for line in (workdir / "chat.jsonl").read_text().splitlines()]
+    startup = json.loads((pathlib.Path(f"{log}.columns.0")).read_text().splitlines()[0])
+    assert startup["prompts"] == [rows[0]["messages"], rows[1]["messages"]]  # the same form at start-up
+    calls, other, metrics = read_calls(log, "columns"), read_calls(log, "vowels"), read_metrics(tmp_path / "out")
+    assert len(calls) == len(other) == len(metrics) == 4
+    for call, vowel_call, m in zip(calls, other, metrics):
+        # chat prompts arrive as their messages; every column arrives aligned with its prompt, k-major
+        assert all(isinstance(p, list) and p[0]["role"] == "user" for p in call["prompts"])
+        assert call["answer"] == [len(p[0]["content"]) for p in call["prompts"]]
+        by_prompt = {json.dumps(row["messages"]): row["tag"] for row in rows}
+        assert call["tag"] == [by_prompt[json.dumps(p)] for p in call["prompts"]]  # through **kwargs
+        assert vowel_call["completions"] == call["completions"]  # a function without keyword parameters
+        assert m["rewards/columns"] == pytest.approx(statistics.mean(call["scores"]))
+        assert m["rewards/vowels"] == pytest.approx(statistics.mean(vowel_call["scores"]))
+        assert m["objective/scores"] == pytest.approx(0.5 * m["rewards/columns"] + 2.0 * m["rewards/vowels"], abs=1e-5)
+
+
+def reward_model_scores(model_dir, texts):
+    """A reward model's own forward on each text alone: its own tokenizer, no padding."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    with torch.no_grad():
+        return [model(input_ids=torch.tensor([tokenizer(text)["input_ids"]])).logits[0, 0].item() for text in texts]
+
+
+@slow
+def test_reward_model_with_another_tokenizer_scores_the_same_tokens(workdir, tmp_path):
+    # completions that stop at eos (probability 0.2 per token): a reward model is read at that eos
+    log = tmp_path / "calls"
+    flags = ["--sft-model-path", "policy_eos", "--stop-token", "eos", *SHORT, "--response-length", "16"]
+    launch(workdir, tmp_path / "same", *flags, "--reward-model-path", "reward")
+    launch(workdir, tmp_path / "other", *flags, "--reward-model-path", "reward_other_tokenizer",
+           "--reward-fn", "test_rewards:vowels", "--reward-weights", "1", "0", env={"RLOO_TEST_LOG": str(log)})  # fmt: skip
+    same, other = read_metrics(tmp_path / "same")[0], read_metrics(tmp_path / "other")[0]
+    assert 0 < same["val/num_eos_tokens"] < 8  # some completions stopped, some ran to the end
+    assert other["objective/scores"] == pytest.approx(same["objective/scores"], rel=1e-5, abs=1e-6)
+    # and what it scored is prompt + completion + eos (where the completion stopped), as its own forward reads it
+    call = read_calls(log, "vowels")[0]
+    eos = rloo.toy_tokenizer().eos_token
+    texts = [p + c + (eos if len(c) < 16 else "") for p, c in zip(call["prompts"], call["completions"])]
+    expected = statistics.mean(reward_model_scores(workdir / "reward_other_tokenizer", texts))
+    assert other["rewards/reward_model"] == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    assert other["rewards/vowels"] == pytest.approx(statistics.mean(call["scores"]))
+
+
+@slow
+def test_encoder_reward_model_scores_with_its_own_special_tokens(workdir, tmp_path):
+    log = tmp_path / "calls"
+    launch(workdir, tmp_path / "out", "--reward-model-path", "reward_bert", "--reward-fn", "test_rewards:vowels",
+           "--reward-weights", "2", "0", *SHORT, env={"RLOO_TEST_LOG": str(log)})  # fmt: skip
+    call, first = read_calls(log, "vowels")[0], read_metrics(tmp_path / "out")[0]
+    expected = statistics.mean(reward_model_scores(workdir / "reward_bert", [p + c for p, c in zip(call["prompts"], call["completions"])]))
+    assert first["rewards/reward_model"] == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    assert first["objective/scores"] == pytest.approx(2 * expected, rel=1e-5, abs=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 15. real checkpoints: a bf16 Llama whose tokenizer adds BOS, pad == eos
+
+
+@slow
+def test_bf16_checkpoint_trains_float32_master_weights(workdir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    launch(workdir, tmp_path / "out", "--sft-model-path", "llama_bf16", "--learning-rate", "1e-5", "--num-ppo-epochs",
+           "1", "--stop-token", "eos", *SHORT)  # fmt: skip
+    first = read_metrics(tmp_path / "out")[0]
+    assert first["objective/kl"] == 0.0 and first["val/ratio"] == 1.0  # the reference computes what the policy does
+    trained = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    initial = AutoModelForCausalLM.from_pretrained(workdir / "llama_bf16")
+    assert initial.dtype == torch.bfloat16 and trained.dtype == torch.float32
+    changed = sum(int((p != initial.state_dict()[n].float()).sum()) for n, p in trained.state_dict().items())
+    total = sum(p.numel() for p in trained.parameters())
+    # Adam moves every weight with a gradient by about lr per step: far below bf16's spacing near 0.02, so in bf16
+    # most of these steps would round away; float32 master weights keep them
+    assert changed / total > 0.8, changed / total
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 16. scale out: ZeRO-3 and DDP on 2 CPU processes
 
 
 # a stop token, so that sampling on the sharded model must also agree across ranks on when to end
@@ -830,6 +1229,7 @@ def scale_runs(workdir):
     return outputs
 
 
+@slow
 @pytest.mark.parametrize("name", ["zero3", "zero3_sharded", "ddp"])
 def test_two_process_runs_write_every_metric(scale_runs, name):
     metrics = read_metrics(scale_runs[name])
@@ -839,6 +1239,7 @@ def test_two_process_runs_write_every_metric(scale_runs, name):
 
 
 @pytest.mark.parametrize("name", ["zero3", "zero3_sharded"])
+@slow
 def test_zero3_computes_what_ddp_computes(scale_runs, name):
     zero3, ddp = read_metrics(scale_runs[name])[0], read_metrics(scale_runs["ddp"])[0]
     for key in ["objective/scores", "objective/kl", "objective/entropy", "loss/policy_avg", "val/ratio",
@@ -846,12 +1247,13 @@ def test_zero3_computes_what_ddp_computes(scale_runs, name):
         assert zero3[key] == pytest.approx(ddp[key], rel=1e-4, abs=1e-5), key
 
 
+@slow
 def test_zero3_model_reloads_on_one_process_with_ddp_logits(scale_runs):
     from transformers import AutoModelForCausalLM
 
     zero3 = AutoModelForCausalLM.from_pretrained(scale_runs["zero3"]).eval()
     ddp = AutoModelForCausalLM.from_pretrained(scale_runs["ddp"]).eval()
-    ids = torch.randint(0, 256, (3, 20), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, zero3.config.vocab_size, (3, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(zero3(ids).logits, ddp(ids).logits, rtol=1e-4, atol=1e-4)
     initial = AutoModelForCausalLM.from_pretrained(scale_runs["zero3"].parent / "policy").eval()
@@ -859,46 +1261,8 @@ def test_zero3_model_reloads_on_one_process_with_ddp_logits(scale_runs):
         assert not torch.allclose(zero3(ids).logits, initial(ids).logits)  # it was trained
 
 
-# ---- never lose a run: validation, checkpoints, resume, preemption, the non-finite guard
-
-
-def run_main(tmp_path, **fields):
-    """rloo.main in this process, for the checks that fire before any model is loaded or trained."""
-    fields.setdefault("output_dir", str(tmp_path / "out"))
-    with pytest.raises(SystemExit) as error:
-        rloo.main(rloo.Args(**fields))
-    return str(error.value.code)
-
-
-def test_bad_flag_exits_with_one_line_and_no_traceback(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "rloo.py"), "--rloo-k", "1", "--output-dir", str(tmp_path / "o")],
-                          capture_output=True, text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))  # fmt: skip
-    assert proc.returncode != 0
-    assert "Traceback" not in proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "--rloo-k" in lines[0], proc.stderr
-
-
-@pytest.mark.parametrize(
-    "fields, flag",
-    [
-        (dict(rloo_k=1), "--rloo-k"),
-        (dict(per_device_train_batch_size=6, rloo_k=4), "--rloo-k"),
-        (dict(response_length=0), "--response-length"),
-        (dict(temperature=0.0), "--temperature"),
-        (dict(cliprange=0.0), "--cliprange"),
-        (dict(kl_coef=-0.1), "--kl-coef"),
-        (dict(reward_clip_range=0.0), "--reward-clip-range"),
-        (dict(learning_rate=0.0), "--learning-rate"),
-        (dict(total_episodes=4), "--total-episodes"),
-        (dict(num_mini_batches=0), "--num-mini-batches"),
-        (dict(missing_eos_penalty=1.0), "--missing-eos-penalty"),
-        (dict(per_device_train_batch_size=6, rloo_k=4), "--per-device-train-batch-size"),
-    ],
-)
-def test_flag_validation(tmp_path, fields, flag):
-    assert flag in run_main(tmp_path, **fields)
-    assert not (tmp_path / "out").exists()  # nothing was written
+# ----------------------------------------------------------------------------------------------------------------
+# 17. never lose a run: checkpoints, resume, preemption, the non-finite guard
 
 
 def test_model_and_data_validation(workdir, tmp_path):
@@ -929,15 +1293,7 @@ def test_model_and_data_validation(workdir, tmp_path):
     assert "--output-dir" in run_main(tmp_path, output_dir=str(blocker / "sub"))
 
 
-@pytest.mark.parametrize("function, words", [("no_module_here:fn", "cannot import"), ("test_rewards:missing", "cannot import"),
-                                             ("test_rewards:wrong_count", "numbers"), ("test_rewards:not_numbers", "not a number"),
-                                             ("test_rewards:always_nan", "NaN")])  # fmt: skip
-def test_reward_fn_validation(workdir, tmp_path, monkeypatch, function, words):
-    monkeypatch.chdir(workdir)
-    message = run_main(tmp_path, reward_fn=function)
-    assert "--reward-fn" in message and words in message
-
-
+@slow
 def test_resume_validation(workdir, tmp_path):
     assert "--resume-from-checkpoint" in run_main(tmp_path, resume_from_checkpoint=str(tmp_path / "nothing"))
     assert "no complete checkpoint" in run_main(tmp_path, resume_from_checkpoint="latest")
@@ -981,6 +1337,7 @@ def assert_resumed_run_matches(full_dir, resumed_dir, exact):
             torch.testing.assert_close(tensor, other, rtol=1e-4, atol=1e-5)
 
 
+@slow
 def test_preempted_run_resumes_bitwise(workdir, tmp_path):
     launch(workdir, tmp_path / "full", *RESUME_FLAGS)
     # the reward function sends SIGTERM to its own process during update 3 (call 1 is the start-up check)
@@ -996,6 +1353,7 @@ def test_preempted_run_resumes_bitwise(workdir, tmp_path):
     assert_resumed_run_matches(tmp_path / "full", tmp_path / "cut", exact=True)
 
 
+@slow
 def test_preempted_zero3_run_resumes(workdir, tmp_path):
     # 2 processes: 16 completions per update, 6 updates
     flags = [*RESUME_FLAGS, "--sft-model-path", str(workdir / "policy"), "--total-episodes", "96"]
@@ -1007,6 +1365,7 @@ def test_preempted_zero3_run_resumes(workdir, tmp_path):
     assert_resumed_run_matches(tmp_path / "full", tmp_path / "cut", exact=False)
 
 
+@slow
 def test_non_finite_rewards_trip_the_guard(workdir, tmp_path):
     flags = ["--reward-fn", "test_rewards:vowels", "--response-length", "8", "--total-episodes", "80",
              "--num-sample-generations", "0", "--save-steps", "1"]  # fmt: skip
@@ -1019,16 +1378,3 @@ def test_non_finite_rewards_trip_the_guard(workdir, tmp_path):
     last_good, final = tmp_path / "out" / "checkpoint-2", tmp_path / "out" / "checkpoint-5"
     for name, tensor in load_weights(last_good).items():
         assert torch.equal(tensor, load_weights(final)[name]), name
-
-
-def test_chat_prompts_use_the_chat_template(tmp_path):
-    tokenizer = rloo.toy_tokenizer()
-    tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
-    path = tmp_path / "chat.jsonl"
-    path.write_text(json.dumps({"messages": [{"role": "user", "content": "hi there"}]}) + "\n"
-                    + json.dumps({"messages": [{"role": "user", "content": "x" * 300}]}) + "\n")  # fmt: skip
-    args = rloo.Args(dataset_name=str(path), dataset_text_field="messages", max_prompt_length=100)
-    # the template rendered by hand, then tokenized; the 300-byte prompt is over max_prompt_length and left out
-    expected = tokenizer("user: hi there\nassistant:", add_special_tokens=False)["input_ids"]
-    assert len(expected) == len("user: hi there\nassistant:")  # byte-level: one token per byte
-    assert rloo.load_prompts(args, tokenizer) == [expected]
