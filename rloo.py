@@ -60,7 +60,7 @@ class Args:
     run_name: Optional[str] = None
     """a unique name for this run; None: `{exp_name}__{seed}__{unix time}`"""
     seed: int = 42
-    """seed of the run; rank r samples with seed + r"""
+    """seed of the run; rank r samples with seed + 100003 r"""
     output_dir: Optional[str] = None
     """where metrics, checkpoints and the final model go; None: `runs/{run_name}`"""
     report_to: Literal["none", "tensorboard", "wandb"] = "none"
@@ -117,7 +117,7 @@ class Args:
     reward_clip_range: float = 10.0
     """clip the scores to [-c, c]"""
     whiten_rewards: bool = False
-    """scale the rewards entering the baseline to unit variance over the global batch, keeping their mean"""
+    """divide the rewards entering the baseline by their standard deviation over the global batch"""
     normalize_advantage: bool = False
     """z-score the advantages over the global batch"""
 
@@ -125,7 +125,8 @@ class Args:
     total_episodes: Optional[int] = None
     """completions to train on; None: num_train_epochs x the number of prompts"""
     num_train_epochs: float = 3.0
-    """passes over the prompts, when total_episodes is not set"""
+    """sets total_episodes = num_train_epochs x the number of prompts when it is not given (TRL's convention); an
+    episode is one completion, so that is num_train_epochs / rloo_k passes over the prompts"""
     per_device_train_batch_size: int = 8
     """completions per micro-batch on each process"""
     gradient_accumulation_steps: int = 1
@@ -140,6 +141,9 @@ class Args:
     """the PPO clip range epsilon of the probability ratio"""
     max_grad_norm: float = 1.0
     """clip the gradient norm to this before each optimizer step; 0: no clipping"""
+    cpu_threads: Optional[int] = None
+    """threads per process on a machine without CUDA; None: the machine's cores shared among its processes
+    (accelerate launch sets OMP_NUM_THREADS=1, which this overrides)"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass to save memory"""
     ds3_gather_for_generation: bool = True
@@ -272,18 +276,17 @@ def token_level_advantages(scores, kl, response_mask, kl_coef, rloo_k, whiten_re
     """Token-mode advantages (N, T): A_t = LOO(score) - kl_coef * sum_{t' >= t} kl_t'.
 
     Each token pays its own KL and those after it (its return-to-go), while the score gets the leave-one-out
-    baseline. With whiten_rewards the per-token rewards r_t = -kl_coef * kl_t (+ score at the last token) become
-    (r_t - mean) / std + mean over the real tokens of the global batch: the score is divided by std, and each real
-    token's KL term becomes -kl_coef * kl_t / std + mean * (1 - 1 / std) (README: "Whitening in token mode")."""
+    baseline. With whiten_rewards, the per-token rewards r_t = -kl_coef * kl_t (+ score at the last token) are
+    divided by their standard deviation over the real tokens of the global batch, and not shifted: the advantages
+    become the plain ones times 1/std (README: "Whitening in token mode" says why not shifted)."""
     non_score = torch.where(response_mask, -kl_coef * kl, 0.0)  # (N, T)
     if whiten_rewards:
         last = response_mask.sum(1) - 1
         token_rewards = non_score.clone()
         token_rewards[torch.arange(len(scores), device=scores.device), last] += scores
-        mean, var = global_mean_var(token_rewards, response_mask)
+        _, var = global_mean_var(token_rewards, response_mask)
         scale = torch.rsqrt(var + 1e-8)
-        scores = scores * scale
-        non_score = torch.where(response_mask, non_score * scale + mean * (1 - scale), 0.0)
+        scores, non_score = scores * scale, non_score * scale
     # reversed cumulative sum: the KL paid from token t to the end
     kl_to_go = non_score.flip(1).cumsum(1).flip(1)
     return rloo_advantages(scores, rloo_k)[:, None] + kl_to_go
@@ -703,7 +706,9 @@ def train(run):
         t3 = now()
 
         # ---- 10. metrics (TRL's names), over real response tokens only, summed over every rank in one all-reduce
-        sums = rollout_sums(run, responses, response_mask, old_logprobs, sequence_kl, raw_scores, scores, source_rewards)
+        sums = rollout_sums(
+            run, responses, response_mask, old_logprobs, sequence_kl, raw_scores, scores, source_rewards
+        )
         metrics, stopping = update_metrics(run, update, stats | sums, lr, (t0, t1, t2, t3))
         log_update(run, update, metrics, query_responses[:4, :context_length], responses[:4], raw_scores[:4])
         end_of_update(run, update, stopping)
@@ -735,6 +740,7 @@ class Run:
     elapsed_before: float = 0.0  # seconds of training before a resume
     skipped_steps: int = 0
     consecutive_skips: int = 0
+    warned_clipping: bool = False
     stop_signals: list = field(default_factory=list)  # SIGTERM / SIGINT received
     start_time: float = 0.0
     previous_end: float = 0.0
@@ -765,6 +771,8 @@ def setup(args):
     if not sources and not args.reward_model_path:  # the toy task's reward
         toy = functools.partial(toy_reward, response_length=args.response_length)
         sources = [RewardSource("toy_reward", "the toy reward", fn=toy)]
+    if not torch.cuda.is_available():
+        torch.set_num_threads(args.cpu_threads)
     policy, ref_policy, reward_model = load_models(args, tokenizer, rows)
     accelerator, zero3 = make_accelerator(args)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, eps=1e-8, weight_decay=0.0)
@@ -785,23 +793,15 @@ def setup(args):
 
 
 # the lowest value each numeric flag may take (None, where allowed, means "not set")
-FLAG_MINIMUMS = dict(
-    rloo_k=2,
-    response_length=1,
-    max_prompt_length=1,
-    per_device_train_batch_size=1,
-    gradient_accumulation_steps=1,
-    num_mini_batches=1,
-    num_ppo_epochs=1,
-    local_rollout_forward_batch_size=1,
-    save_steps=1,
-    save_total_limit=1,
-    total_episodes=1,
-    stop_token_id=0,
-    kl_coef=0,
-    max_grad_norm=0,
-    num_sample_generations=0,
-)
+FLAG_MINIMUMS = {
+    "rloo_k": 2,
+    **dict.fromkeys(
+        "response_length max_prompt_length per_device_train_batch_size gradient_accumulation_steps".split(), 1
+    ),
+    **dict.fromkeys("num_mini_batches num_ppo_epochs local_rollout_forward_batch_size save_steps".split(), 1),
+    **dict.fromkeys("save_total_limit total_episodes cpu_threads".split(), 1),
+    **dict.fromkeys("stop_token_id kl_coef max_grad_norm num_sample_generations".split(), 0),
+}
 FLAG_POSITIVE = ("temperature", "cliprange", "reward_clip_range", "learning_rate", "num_train_epochs")
 
 
@@ -846,6 +846,7 @@ def resolve_args(args, world_size, tokenizer, num_prompts, saved=None, dropped=0
     # a resumed run keeps the checkpoint's length, unless the flag says otherwise (and then it must agree)
     total_episodes = saved["args"]["total_episodes"] if saved and args.total_episodes is None else args.total_episodes
     local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     args = replace(
         args,
         run_name=run_name,
@@ -853,6 +854,7 @@ def resolve_args(args, world_size, tokenizer, num_prompts, saved=None, dropped=0
         learning_rate=args.learning_rate or (1e-3 if toy else 5e-5),
         stop_token_id=tokenizer.eos_token_id if args.stop_token == "eos" else args.stop_token_id,
         total_episodes=int(args.num_train_epochs * num_prompts) if total_episodes is None else total_episodes,
+        cpu_threads=args.cpu_threads or max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1))),
         world_size=world_size,
         local_batch_size=local_batch_size,
         batch_size=local_batch_size * world_size,
@@ -1118,7 +1120,7 @@ def load_models(args, tokenizer, rows):
         if model is not None:
             disable_dropout(model)  # the log-probs of the rollout and of the update must come from the same function
     if args.gradient_checkpointing:
-        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        policy.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     return policy, ref_policy, reward
 
 
@@ -1156,12 +1158,22 @@ def make_accelerator(args):
     from accelerate.utils import DistributedType, InitProcessGroupKwargs
 
     cpu_group = args.world_size > 1 and not torch.cuda.is_available()
+    if cpu_group and os.environ.get("ACCELERATE_USE_DEEPSPEED", "false") != "true":
+        # `accelerate launch --multi_gpu` on a machine without CUDA: unless told it is on CPUs, accelerate sees no
+        # distributed setup, never wraps the policy in DDP, and each rank would train its own copy
+        os.environ["ACCELERATE_USE_CPU"] = "true"
     accelerator = Accelerator(
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         log_with=None if args.report_to == "none" else args.report_to,
         project_dir=args.output_dir,
         kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if cpu_group else [],
     )
+    if accelerator.num_processes != args.world_size or (cpu_group and accelerator.distributed_type == "NO"):
+        raise ArgumentError(
+            f"{args.world_size} processes were launched, but accelerate set up "
+            f"{accelerator.distributed_type} with {accelerator.num_processes}: the ranks would train "
+            "apart; launch with --multi_gpu (and ACCELERATE_USE_CPU=true without CUDA) or a DeepSpeed config"
+        )
     if accelerator.distributed_type != DistributedType.DEEPSPEED:
         return accelerator, False
     ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
@@ -1277,11 +1289,12 @@ def resume_or_seed(run, resume_dir, saved):
         if accelerator.is_main_process:
             print(f"resumed from {resume_dir} at update {run.start_update}")
     else:
-        # each rank samples with its own seed, so the ranks' completions differ; fixed seed + world size = same run
-        # (python's and numpy's generators too, for reward functions that use them)
-        torch.manual_seed(args.seed + accelerator.process_index)
-        random.seed(args.seed + accelerator.process_index)
-        np.random.seed(args.seed + accelerator.process_index)
+        # each (seed, rank) its own stream, far from the next seed's: seed 42 rank 1 is not seed 43 rank 0; a fixed
+        # seed and world size give the same run (python's and numpy's generators too, for reward functions)
+        seed = args.seed + 100003 * accelerator.process_index
+        torch.manual_seed(seed)
+        random.seed(seed)
+        np.random.seed(seed)
     metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
     if accelerator.is_main_process:
         lines = open(metrics_path).read().splitlines() if (resume_dir and os.path.exists(metrics_path)) else []
@@ -1302,15 +1315,29 @@ def batch_indices(args, num_prompts, update, rank):
 @contextlib.contextmanager
 def generation_context(run):
     """The model to sample from, and whether sampling must stay in step across ranks. Under ZeRO-3 with
-    ds3_gather_for_generation, the full weights are gathered once for the whole rollout."""
+    ds3_gather_for_generation, the full weights are gathered once for the whole rollout and ZeRO-3's hooks come
+    off meanwhile: they would release each weight after its use and gather it again at the next decoding step,
+    a collective per step, which ranks whose completions stop at different steps would issue different numbers
+    of. The rollout then makes no collective at all."""
     model = run.accelerator.unwrap_model(run.policy)
     if not (run.zero3 and run.args.ds3_gather_for_generation):
         yield model, run.zero3  # a sharded model needs every rank in each forward
         return
     import deepspeed
 
+    offload = run.policy.optimizer.parameter_offload  # ZeRO-3's manager of the policy's sharded weights
+    start_of_forward = offload.module._forward_pre_hooks[offload.fwd_pre_hook.id]
     with deepspeed.zero.GatheredParameters(list(run.policy.parameters())):
-        yield model, False
+        # every hook off, the start-of-forward one too: before the first training step it checks with the other
+        # ranks at each forward
+        for hook in offload.forward_hooks + offload.backward_hooks + [offload.fwd_pre_hook]:
+            hook.remove()
+        offload.forward_hooks, offload.backward_hooks = [], []
+        try:
+            yield model, False
+        finally:  # the hooks back, in their order, before the weights are sharded again
+            offload.fwd_pre_hook = offload.module.register_forward_pre_hook(start_of_forward, prepend=True)
+            offload._register_deepspeed_module(offload.module)
 
 
 def optimizer_step(run):
@@ -1340,6 +1367,7 @@ def rollout_sums(run, responses, response_mask, old_logprobs, sequence_kl, raw_s
         "generated": response_mask.sum(),
         "eos": ((responses == run.tokenizer.eos_token_id) & response_mask).sum(),
         "zero_std": (grouped == grouped[0]).all(0).sum(),  # prompts whose k scores are all equal
+        "clipped": (scores.abs() >= args.reward_clip_range).sum(),  # scores at the clip range after clipping
     }
     return sums | {f"rewards/{name}": values.sum() for name, values in rewards.items()}
 
@@ -1384,6 +1412,7 @@ def update_metrics(run, update, stats, lr, times):
         "objective/non_score_reward": -args.kl_coef * totals["kl"] / n,
         "objective/rlhf_reward": totals["rlhf"] / n,
         "objective/scores": totals["scores"] / n,
+        "objective/scores_clipped_frac": totals["clipped"] / n,
         "policy/approxkl_avg": totals["approxkl"] / terms,
         "policy/clipfrac_avg": totals["clipfrac"] / terms,
         "loss/policy_avg": totals["loss"] / terms,
@@ -1418,6 +1447,13 @@ def log_update(run, update, metrics, queries, responses, scores):
     if accelerator.is_main_process:
         with open(os.path.join(args.output_dir, "metrics.jsonl"), "a") as f:
             f.write(json.dumps(metrics) + "\n")
+        if metrics["objective/scores_clipped_frac"] > 0.1 and not run.warned_clipping:
+            run.warned_clipping = True
+            tqdm.write(
+                f"rloo.py: warning: update {update + 1} clipped {metrics['objective/scores_clipped_frac']:.0%} of "
+                f"its scores to --reward-clip-range {args.reward_clip_range}; raise it, or rescale the reward "
+                "(--normalize-reward)"
+            )
         if (update + 1) % max(1, args.num_total_batches // 20) == 0 or update == run.start_update:
             tqdm.write(
                 f"update {update + 1}/{args.num_total_batches}  score {metrics['objective/scores']:.3f}  "
@@ -1530,11 +1566,12 @@ def progress(run):
     from tqdm.auto import tqdm
 
     args, is_main = run.args, run.accelerator.is_main_process
+    threads = "" if torch.cuda.is_available() else f", {torch.get_num_threads()} CPU threads each"
     if is_main:
         print(
             f"{args.run_name}: {args.num_total_batches} updates of {args.batch_size} completions "
             f"({args.local_dataloader_batch_size} prompts x k={args.rloo_k} per process, {args.world_size} "
-            f"processes) -> {args.output_dir}"
+            f"processes{threads}) -> {args.output_dir}"
         )
     run.start_time = run.previous_end = now()
     updates = range(run.start_update, args.num_total_batches)

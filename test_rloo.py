@@ -278,10 +278,9 @@ def test_token_level_advantages_match_loops_and_ignore_masked_kl(k, B):
     assert_close(dirty[mask], got[mask], rtol=0, atol=0)
 
 
-def test_token_level_advantages_whiten_rewards_follows_docstring():
-    # whiten_rewards: per-token rewards r_t = -c kl_t (+ score at the last real token), mapped to
-    # w_t = (r_t - m) s + m with m, s^-2 - 1e-8 the mean and unbiased variance over real tokens; then
-    # A_t = LOO(s * score) + sum_{t' >= t} (w_t' - [t' == last] s * score)
+def test_token_level_advantages_whiten_rewards_only_rescales():
+    # whiten_rewards: the per-token rewards r_t = -c kl_t (+ score at the last real token) are divided by
+    # s = sqrt(unbiased variance over real tokens + 1e-8), unshifted: every advantage is the plain one / s
     g = torch.Generator().manual_seed(3)
     k, B, T, c = 2, 2, 4, 0.2
     N = k * B
@@ -290,15 +289,18 @@ def test_token_level_advantages_whiten_rewards_follows_docstring():
     mask = torch.arange(T)[None, :] < torch.tensor([[4], [2], [3], [1]])
     got = rloo.token_level_advantages(scores, kl, mask, c, k, whiten_rewards=True)
     last = [int(mask[n].sum()) - 1 for n in range(N)]
-    r = {(n, t): -c * float(kl[n, t]) + (float(scores[n]) if t == last[n] else 0.0)
-         for n in range(N) for t in range(T) if mask[n, t]}  # fmt: skip
-    m, v = statistics.mean(r.values()), statistics.variance(r.values())
-    s = 1 / math.sqrt(v + 1e-8)
-    loo = loo_reference([s * float(x) for x in scores], k)
-    for n in range(N):
-        for t in range(last[n] + 1):
-            to_go = sum((r[n, u] - m) * s + m for u in range(t, last[n] + 1)) - s * float(scores[n])
-            assert got[n, t].item() == pytest.approx(loo[n] + to_go, rel=1e-9, abs=1e-9)
+    r = [-c * float(kl[n, t]) + (float(scores[n]) if t == last[n] else 0.0) for n in range(N) for t in range(T) if mask[n, t]]
+    s = math.sqrt(statistics.variance(r) + 1e-8)
+    assert_real_positions(got, token_advantages_reference(scores / s, kl / s, mask, c, k), mask)
+
+
+def test_token_level_whitening_adds_no_length_reward():
+    # equal scores and no KL: nothing tells the two completions apart, whatever their lengths (2 and 8 tokens);
+    # shifting the whitened rewards by their mean would give each real token a constant, summed by the KL-to-go
+    scores, kl = torch.tensor([1.0, 1.0]), torch.zeros(2, 8)
+    mask = torch.arange(8)[None, :] < torch.tensor([[2], [8]])
+    got = rloo.token_level_advantages(scores, kl, mask, 0.05, 2, whiten_rewards=True)
+    assert got[mask].abs().max().item() == 0.0
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -903,13 +905,12 @@ def always_nan(prompts, completions):
 
 
 def eos_likely(policy, tokenizer, p=0.2, temperature=0.7):
-    """Whatever the input, sample eos with probability p at `temperature` and a printable character otherwise
-    (never pad or unk): the final layer norm outputs a constant unit vector, whose output column holds the logits."""
+    """Sample eos with probability about p at `temperature` whatever the input, and never pad or unk: unit 0 of
+    the final layer norm outputs a constant 1, whose output column adds a fixed logit to eos (the other logits still
+    depend on the input, and are near 0 at initialization)."""
     with torch.no_grad():
         norm, head = policy.gpt_neox.final_layer_norm, policy.get_output_embeddings()
-        norm.weight.zero_()
-        norm.bias.zero_()
-        norm.bias[0] = 1.0
+        norm.weight[0], norm.bias[0] = 0.0, 1.0
         head.weight[:, 0] = 0.0
         printable = len(tokenizer) - 3  # pad, eos, unk come last in the toy vocabulary
         head.weight[tokenizer.eos_token_id, 0] = temperature * math.log(p * printable / (1 - p))
@@ -968,16 +969,20 @@ def workdir(tmp_path_factory):
     return root
 
 
-def launch(workdir, output, *flags, backend="single", env=None, check=True):
-    """`accelerate launch rloo.py` in a subprocess: one process, 2-process ZeRO-3 (ds_zero3.yaml) or 2-process DDP."""
+def launch(workdir, output, *flags, backend="single", env=None, check=True, pythonpath=None):
+    """`accelerate launch rloo.py` in a subprocess: one process, or two under ZeRO-3 (ds_zero3.yaml), DDP, or
+    `--multi_gpu` alone, without ACCELERATE_USE_CPU (rloo.py must make it DDP on CPUs)."""
     command = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", "1", "--mixed_precision", "no",
                "--dynamo_backend", "no"]  # fmt: skip
-    run_env = subprocess_env(pythonpath=workdir, **(env or {}))
+    run_env = subprocess_env(pythonpath=pythonpath or workdir, **(env or {}))
     if backend == "zero3":
         command += ["--config_file", str(ROOT / "ds_zero3.yaml"), "--num_processes", "2"]
-    elif backend == "ddp":
+    elif backend in ("ddp", "multi_gpu"):
         command += ["--multi_gpu", "--num_processes", "2"]
-        run_env["ACCELERATE_USE_CPU"] = "true"
+        if backend == "ddp":
+            run_env["ACCELERATE_USE_CPU"] = "true"
+        else:
+            run_env.pop("ACCELERATE_USE_CPU", None)
     else:
         command += ["--num_processes", "1"]
     command += [RLOO_PY, "--output-dir", str(output), *flags]
@@ -1022,6 +1027,10 @@ def test_toy_run_writes_every_metric(workdir, tmp_path):
     assert [m["lr"] for m in metrics] == pytest.approx([1e-3, 0.75e-3, 0.5e-3, 0.25e-3])
     assert metrics[0]["objective/kl"] == pytest.approx(0.0, abs=1e-5)  # policy == reference before any step
     assert "done in" in proc.stdout and "first tenth" in proc.stdout and "episodes/s" in proc.stdout
+    cores = len(os.sched_getaffinity(0))  # accelerate launch sets OMP_NUM_THREADS=1; rloo.py uses every core
+    assert f"1 processes, {cores} CPU threads each" in proc.stdout
+    cores = len(os.sched_getaffinity(0))  # accelerate launch sets OMP_NUM_THREADS=1; rloo.py uses every core
+    assert f"1 processes, {cores} CPU threads each" in proc.stdout
     assert proc.stdout.count("| score") == 2  # num_sample_generations tables
     assert (tmp_path / "out" / "model.safetensors").exists()
 
@@ -1107,7 +1116,8 @@ def test_missing_eos_penalty_uses_the_stop_token(workdir, tmp_path):
 def test_reward_normalization_and_clipping(workdir, tmp_path, normalize):
     log = tmp_path / "calls"
     flags = ["--reward-fn", "test_rewards:distinct", "--reward-clip-range", "0.5", "--kl-coef", "0.1", *SHORT]
-    launch(workdir, tmp_path / "out", *flags, *(["--normalize-reward"] if normalize else []), env={"RLOO_TEST_LOG": str(log)})
+    normalization = ["--normalize-reward"] if normalize else []
+    proc = launch(workdir, tmp_path / "out", *flags, *normalization, env={"RLOO_TEST_LOG": str(log)})
     call, first = read_calls(log, "distinct")[0], read_metrics(tmp_path / "out")[0]
     scores = torch.tensor(call["scores"], dtype=torch.float64)
     if normalize:
@@ -1117,6 +1127,8 @@ def test_reward_normalization_and_clipping(workdir, tmp_path, normalize):
     # update 1: policy == reference, so the KL is 0 and the RLHF reward is the clipped score
     assert first["objective/rlhf_reward"] == pytest.approx(clipped.mean().item(), abs=1e-5)
     assert first["frac_reward_zero_std"] == 0.0  # every completion scored differently
+    assert first["objective/scores_clipped_frac"] == pytest.approx((scores.abs() >= 0.5).double().mean().item())
+    assert proc.stdout.count("of its scores to --reward-clip-range") == 1  # over a tenth: one warning per run
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1195,8 +1207,9 @@ def test_encoder_reward_model_scores_with_its_own_special_tokens(workdir, tmp_pa
 def test_bf16_checkpoint_trains_float32_master_weights(workdir, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    launch(workdir, tmp_path / "out", "--sft-model-path", "llama_bf16", "--learning-rate", "1e-5", "--num-ppo-epochs",
-           "1", "--stop-token", "eos", *SHORT)  # fmt: skip
+    proc = launch(workdir, tmp_path / "out", "--sft-model-path", "llama_bf16", "--learning-rate", "1e-5", "--num-ppo-epochs",
+           "1", "--stop-token", "eos", "--cpu-threads", "1", *SHORT)  # fmt: skip
+    assert "1 CPU threads each" in proc.stdout
     first = read_metrics(tmp_path / "out")[0]
     assert first["objective/kl"] == 0.0 and first["val/ratio"] == 1.0  # the reference computes what the policy does
     trained = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
@@ -1210,53 +1223,160 @@ def test_bf16_checkpoint_trains_float32_master_weights(workdir, tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# 16. scale out: ZeRO-3 and DDP on 2 CPU processes
+# 16. scale out: ZeRO-3 and DDP on 2 CPU processes, at a shape where ZeRO-3 really shards
 
+# counts the collectives of each process (torch.distributed's functions, wrapped before DeepSpeed binds them) and
+# records that count at each sampled token and as the rollout's weights are gathered and released
+COUNTING = """
+import atexit, json, os
+if os.environ.get("RLOO_TEST_COUNT") and "RANK" in os.environ:  # the ranks, not the launcher
+    import torch
+    import torch.distributed as dist
+    count, events = [0], []
 
-# a stop token, so that sampling on the sharded model must also agree across ranks on when to end
-ZERO3_FLAGS = ["--sft-model-path", "policy", "--reward-model-path", "reward", "--learning-rate", "1e-3",
-               "--rloo-k", "2", "--stop-token", "eos", *SHORT]  # fmt: skip
+    def counted(fn):
+        def wrapper(*args, **kwargs):
+            count[0] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    for name in ["all_gather_into_tensor", "_all_gather_base", "all_gather", "all_gather_object", "broadcast",
+                 "broadcast_object_list", "all_reduce", "all_reduce_coalesced", "reduce_scatter_tensor",
+                 "_reduce_scatter_base", "all_to_all_single", "barrier"]:
+        if hasattr(dist, name):
+            setattr(dist, name, counted(getattr(dist, name)))
+    multinomial = torch.multinomial
+
+    def sample(*args, **kwargs):
+        events.append(["sample", count[0]])
+        return multinomial(*args, **kwargs)
+
+    torch.multinomial = sample
+    from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+
+    enter, leave = GatheredParameters.__enter__, GatheredParameters.__exit__
+
+    def gathered(self):
+        result = enter(self)
+        events.append(["gathered", count[0]])
+        return result
+
+    def released(self, *exc):
+        events.append(["released", count[0]])
+        return leave(self, *exc)
+
+    GatheredParameters.__enter__, GatheredParameters.__exit__ = gathered, released
+    atexit.register(lambda: open(os.environ["RLOO_TEST_COUNT"] + "." + os.environ["RANK"], "w").write(json.dumps(events)))
+"""
+# matrices of 256 x 1024 elements, above DeepSpeed's stage3_param_persistence_threshold of 1e5: ZeRO-3 shards them
+# and gathers them for each use; completions stop at random steps, so ranks sample different numbers of tokens
+SCALE_FLAGS = ["--sft-model-path", "policy_wide", "--reward-model-path", "reward", "--learning-rate", "1e-4",
+               "--rloo-k", "2", "--stop-token", "eos", *SHORT, "--response-length", "16"]  # fmt: skip
 
 
 @pytest.fixture(scope="session")
 def scale_runs(workdir):
-    """The same 2-process run three ways: ZeRO-3 with gathered generation, ZeRO-3 on the sharded model, DDP."""
-    outputs = {}
-    for name, backend, extra in [("zero3", "zero3", []), ("zero3_sharded", "zero3", ["--no-ds3-gather-for-generation"]),
-                                 ("ddp", "ddp", [])]:  # fmt: skip
+    """The same 2-process run five ways: ZeRO-3 with gathered generation (and activation checkpointing), ZeRO-3 on
+    the sharded model, DDP, DDP launched with --multi_gpu alone (no ACCELERATE_USE_CPU), and ZeRO-3 with 8
+    completions per generate call, half the rows."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    tokenizer = rloo.toy_tokenizer()
+    config = GPTNeoXConfig(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=1024, num_hidden_layers=2,
+                           num_attention_heads=4, max_position_embeddings=512, pad_token_id=tokenizer.pad_token_id,
+                           eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id)  # fmt: skip
+    torch.manual_seed(5)
+    wide = eos_likely(GPTNeoXForCausalLM(config), tokenizer, p=0.35)
+    assert max(p.numel() for p in wide.parameters()) == 256 * 1024 > 1e5
+    wide.save_pretrained(workdir / "policy_wide")
+    tokenizer.save_pretrained(workdir / "policy_wide")
+    (workdir / "counting").mkdir(exist_ok=True)
+    (workdir / "counting" / "sitecustomize.py").write_text(COUNTING)
+    outputs, procs = {}, {}
+    runs = [("zero3", "zero3", ["--gradient-checkpointing"]), ("zero3_sharded", "zero3", ["--no-ds3-gather-for-generation"]),
+            ("ddp", "ddp", []), ("multi_gpu", "multi_gpu", [])]  # fmt: skip
+    for name, backend, extra in runs:
         outputs[name] = workdir / f"scale_{name}"
-        launch(workdir, outputs[name], *ZERO3_FLAGS, *extra, backend=backend)
-    return outputs
+        env = {"RLOO_TEST_COUNT": str(workdir / f"events_{name}"), "PYTHONWARNINGS": "default"}
+        pythonpath = f"{workdir / 'counting'}{os.pathsep}{workdir}"
+        procs[name] = launch(workdir, outputs[name], *SCALE_FLAGS, *extra, backend=backend, env=env, pythonpath=pythonpath)
+    return outputs, procs
+
+
+def read_events(workdir, name, rank):
+    return json.loads((workdir / f"events_{name}.{rank}").read_text())
 
 
 @slow
-@pytest.mark.parametrize("name", ["zero3", "zero3_sharded", "ddp"])
+@pytest.mark.parametrize("name", ["zero3", "zero3_sharded", "ddp", "multi_gpu"])
 def test_two_process_runs_write_every_metric(scale_runs, name):
-    metrics = read_metrics(scale_runs[name])
+    metrics = read_metrics(scale_runs[0][name])
     assert [m["episode"] for m in metrics] == [16, 32]  # 2 processes x 8 completions per update
     for m in metrics:
         assert set(METRIC_NAMES) <= set(m) and all(math.isfinite(m[n]) for n in METRIC_NAMES)
+    assert "1 CPU threads each" in scale_runs[1][name].stdout  # 2 cores shared by 2 processes on this machine
 
 
-@pytest.mark.parametrize("name", ["zero3", "zero3_sharded"])
 @slow
-def test_zero3_computes_what_ddp_computes(scale_runs, name):
-    zero3, ddp = read_metrics(scale_runs[name])[0], read_metrics(scale_runs["ddp"])[0]
+@pytest.mark.parametrize("name", ["zero3", "zero3_sharded", "multi_gpu"])
+def test_zero3_and_plain_launches_compute_what_ddp_computes(scale_runs, name):
+    first, ddp = read_metrics(scale_runs[0][name])[0], read_metrics(scale_runs[0]["ddp"])[0]
+    assert ddp["val/num_eos_tokens"] > 0  # completions stopped at different steps
     for key in ["objective/scores", "objective/kl", "objective/entropy", "loss/policy_avg", "val/ratio",
                 "policy/clipfrac_avg", "policy/entropy_avg"]:  # fmt: skip
-        assert zero3[key] == pytest.approx(ddp[key], rel=1e-4, abs=1e-5), key
+        assert first[key] == pytest.approx(ddp[key], rel=1e-4, abs=1e-5), key
+
+
+@slow
+def test_multi_gpu_on_cpus_trains_in_sync(scale_runs):
+    # without ACCELERATE_USE_CPU, accelerate would not wrap the policy in DDP: rank 1 would train its own copy, and
+    # update 2 (sampled by both ranks' policies) would differ from the DDP run's
+    plain, ddp = read_metrics(scale_runs[0]["multi_gpu"]), read_metrics(scale_runs[0]["ddp"])
+    for a, b in zip(plain, ddp):
+        for key in ["objective/scores", "objective/kl", "loss/policy_avg", "val/ratio"]:
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (a["update"], key)
+
+
+@slow
+def test_gathered_generation_makes_no_collective_while_sampling(workdir, scale_runs):
+    steps = {}
+    for rank in (0, 1):
+        events, window = read_events(workdir, "zero3", rank), None
+        for kind, count in events:
+            if kind == "gathered":
+                window = [count]
+            elif kind == "sample":
+                assert window is not None and count == window[0], "a collective while sampling"
+                window.append(count)
+            elif window is not None and len(window) > 1:  # released, after a rollout
+                assert count == window[0]
+                steps.setdefault(rank, []).append(len(window) - 1)
+                window = None
+        assert len(steps[rank]) == 2  # one rollout per update
+    assert steps[0] != steps[1]  # the ranks sampled different numbers of tokens, and never waited for each other
+    # the control: on the sharded model, every sampled token follows collectives (gathers, the synced stop check)
+    sharded = [count for kind, count in read_events(workdir, "zero3_sharded", 0) if kind == "sample"]
+    assert all(b > a for a, b in zip(sharded, sharded[1:]))
+
+
+@slow
+def test_runs_print_no_deprecation_warning_of_their_own(scale_runs):
+    stderr = scale_runs[1]["zero3"].stderr  # with --gradient-checkpointing and PYTHONWARNINGS=default
+    assert "gradient_checkpointing_enable" not in stderr
+    assert not re.search(r"rloo\.py:\d+: \w*Warning", stderr)
 
 
 @slow
 def test_zero3_model_reloads_on_one_process_with_ddp_logits(scale_runs):
     from transformers import AutoModelForCausalLM
 
-    zero3 = AutoModelForCausalLM.from_pretrained(scale_runs["zero3"]).eval()
-    ddp = AutoModelForCausalLM.from_pretrained(scale_runs["ddp"]).eval()
+    outputs = scale_runs[0]
+    zero3 = AutoModelForCausalLM.from_pretrained(outputs["zero3"]).eval()
+    ddp = AutoModelForCausalLM.from_pretrained(outputs["ddp"]).eval()
     ids = torch.randint(0, zero3.config.vocab_size, (3, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(zero3(ids).logits, ddp(ids).logits, rtol=1e-4, atol=1e-4)
-    initial = AutoModelForCausalLM.from_pretrained(scale_runs["zero3"].parent / "policy").eval()
+    initial = AutoModelForCausalLM.from_pretrained(outputs["zero3"].parent / "policy_wide").eval()
     with torch.no_grad():
         assert not torch.allclose(zero3(ids).logits, initial(ids).logits)  # it was trained
 
