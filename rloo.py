@@ -38,6 +38,7 @@ import random
 import resource
 import shutil
 import signal
+import socket
 import sys
 import time
 import warnings
@@ -157,7 +158,9 @@ class Args:
     save_total_limit: Optional[int] = None
     """keep only the newest N checkpoints; None: keep all"""
     resume_from_checkpoint: Optional[str] = None
-    """continue from a checkpoint directory, or `latest` in output_dir"""
+    """continue from a checkpoint directory, or `latest` (the newest intact one in output_dir)"""
+    overwrite_output_dir: bool = False
+    """start a new run in an output_dir that holds another run's metrics and checkpoints, deleting them"""
 
     # ---- derived by resolve_args from the flags above (TRL's names); not set on the command line
     world_size: Suppress[int] = 1
@@ -356,6 +359,9 @@ def generate(model, queries, query_mask, response_length, temperature, stop_toke
     attention_mask, done, tokens = query_mask, torch.zeros(len(queries), dtype=torch.bool, device=queries.device), []
     for _ in range(response_length):
         probs = torch.softmax(output.logits[:, -1].float() / temperature, dim=-1)
+        # a diverged policy (or a vanishing temperature) gives NaN: such rows sample uniformly, and the update's
+        # non-finite guard skips them
+        probs = torch.where(torch.isfinite(probs).all(-1, keepdim=True), probs, 1.0)
         token = torch.where(done, pad_token_id, torch.multinomial(probs, 1).squeeze(1))
         tokens.append(token)
         if stop_token_id is not None:
@@ -430,7 +436,10 @@ def score_completions(run, rows, query_responses, attention_mask, context_length
     rewards = {}
     for source in run.reward_sources:
         if source.fn is not None:
-            values = call_reward_fn(source, prompts, completions, columns)
+            try:
+                values = call_reward_fn(source, prompts, completions, columns)
+            except RewardError as error:  # the run stops at the non-finite guard, on every rank together
+                run.reward_error, values = str(error), [math.nan] * len(completions)
             rewards[source.name] = torch.tensor(values, dtype=torch.float, device=device)
             continue
         ids, mask, last_index = query_responses, attention_mask, context_length + response_mask.sum(1) - 1
@@ -449,12 +458,25 @@ def score_completions(run, rows, query_responses, attention_mask, context_length
     return scores, rewards  # (k*B,), {name: (k*B,)}
 
 
+class RewardError(Exception):
+    """A reward function raised, exited, or returned something other than one number per completion."""
+
+
 def call_reward_fn(source, prompts, completions, columns):
     """fn(prompts, completions, **columns), passing only the columns it names (all of them to a **kwargs)."""
     parameters = inspect.signature(source.fn).parameters.values()
     if not any(p.kind == p.VAR_KEYWORD for p in parameters):
         columns = {name: values for name, values in columns.items() if name in {p.name for p in parameters}}
-    return check_scores(source.fn(prompts, completions, **columns), len(completions), source.flag)
+    try:
+        scores = source.fn(prompts, completions, **columns)
+    except (Exception, SystemExit) as error:  # sys.exit() inside a reward function must not end the run quietly
+        raise RewardError(f"{source.flag} raised {type(error).__name__}: {first_line(error)}") from None
+    if not isinstance(scores, (list, tuple, torch.Tensor, np.ndarray)) or len(scores) != len(completions):
+        raise RewardError(f"{source.flag} must return {len(completions)} numbers, one per completion")
+    try:
+        return [float(score) for score in scores]
+    except (TypeError, ValueError):
+        raise RewardError(f"{source.flag} returned a value that is not a number") from None
 
 
 def reward_model_values(source, model, ids, mask, last_index):
@@ -589,9 +611,12 @@ def toy_reward(prompts, completions, response_length=53):
 
 
 def main(args: Args):
-    run = setup(args)  # validation, tokenizer, prompts, reward, models, accelerator, optimizer, resume
-    train(run)
-    save_final_model(run)
+    try:
+        run = setup(args)  # validation, tokenizer, prompts, reward, models, accelerator, optimizer, resume
+        train(run)
+        save_final_model(run)
+    finally:
+        release_locks()
 
 
 def train(run):
@@ -665,9 +690,8 @@ def train(run):
             if args.normalize_advantage:
                 advantages = whiten(advantages)
 
-        # ---- non-finite guard: a NaN or inf anywhere in the rollout (a reward, a log-prob) skips this update
-        finite = torch.isfinite(advantages).all() & torch.isfinite(old_logprobs[response_mask]).all()
-        finite = bool(all_reduce_sum((~finite).float()) == 0)  # every rank skips, or none
+        # ---- non-finite guard: a NaN or inf anywhere in the rollout (a score, a log-prob) skips this update
+        finite = rollout_is_finite(run, update, raw_scores, advantages, old_logprobs[response_mask])
 
         # ---- 9. the update: num_ppo_epochs passes, each over num_mini_batches shuffled mini-batches of
         # gradient_accumulation_steps micro-batches, one optimizer step per mini-batch
@@ -740,6 +764,9 @@ class Run:
     elapsed_before: float = 0.0  # seconds of training before a resume
     skipped_steps: int = 0
     consecutive_skips: int = 0
+    problem: Optional[str] = None  # what the non-finite guard found last: "scores" or "log-probs"
+    reward_error: Optional[str] = None  # a reward function's failure in this update
+    rng_at_update_start: Any = None  # every generator's state as the update began
     warned_clipping: bool = False
     stop_signals: list = field(default_factory=list)  # SIGTERM / SIGINT received
     start_time: float = 0.0
@@ -759,18 +786,25 @@ def setup(args):
     warnings.filterwarnings("ignore", message=".*is deprecated. Please use `torch.distributed")  # DeepSpeed's calls
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     validate_args(args)
-    check_model_configs(args)
+    if (
+        args.output_dir
+        and int(os.environ.get("RANK", 0)) == 0
+        and os.path.isfile(os.path.join(args.output_dir, ".lock"))
+    ):
+        take_lock(args.output_dir, take=False)  # a run still writing there: say so before anything else
+    policy_config = check_model_configs(args)
     tokenizer = load_tokenizer(args)
     prompts, rows, dropped = load_prompts(args, tokenizer, args.dataset_name, args.dataset_split, "--dataset-name")
     resume_dir, saved = find_checkpoint(args, world_size) if args.resume_from_checkpoint else (None, None)
     args = resolve_args(args, world_size, tokenizer, len(prompts), saved, dropped)
-    check_output_dir(args.output_dir, resuming=resume_dir is not None)
     if saved is not None:
         check_checkpoint_args(args, saved, resume_dir)
+    check_context_length(args, policy_config, max(len(ids) for ids in prompts))
     sources = [load_reward_fn(spec, rows[:2], args.dataset_text_field) for spec in args.reward_fn or []]
     if not sources and not args.reward_model_path:  # the toy task's reward
         toy = functools.partial(toy_reward, response_length=args.response_length)
         sources = [RewardSource("toy_reward", "the toy reward", fn=toy)]
+    prepare_output_dir(args, resume_dir, saved)  # the first write: everything before it only reads and checks
     if not torch.cuda.is_available():
         torch.set_num_threads(args.cpu_threads)
     policy, ref_policy, reward_model = load_models(args, tokenizer, rows)
@@ -788,8 +822,18 @@ def setup(args):
         accelerator.init_trackers(args.exp_name, config=asdict(args))
     resume_or_seed(run, resume_dir, saved)
     for signum in (signal.SIGTERM, signal.SIGINT):  # preemption: finish the update, checkpoint, exit
-        signal.signal(signum, lambda number, frame: run.stop_signals.append(number))
+        signal.signal(signum, functools.partial(on_stop_signal, run))
     return run
+
+
+def on_stop_signal(run, number, frame):
+    """The first SIGTERM or SIGINT (Ctrl-C) ends the run after the current update, with a checkpoint; a second
+    one quits at once (the checkpoint being written, if any, stays a .tmp that a resume ignores)."""
+    if run.stop_signals:
+        print(f"rloo.py: stopped at once by a second {signal.Signals(number).name}", file=sys.stderr)
+        release_locks()
+        os._exit(128 + number)
+    run.stop_signals.append(number)
 
 
 # the lowest value each numeric flag may take (None, where allowed, means "not set")
@@ -894,21 +938,13 @@ def load_reward_fn(spec, rows, text_field):
     source = RewardSource(function_name, f"--reward-fn {spec}", fn=fn)
     prompts = [row[text_field] for row in rows]
     columns = {name: [row[name] for row in rows] for name in rows[0] if name != text_field}
-    if any(math.isnan(score) for score in call_reward_fn(source, prompts, ["hello", ""][: len(rows)], columns)):
+    try:
+        scores = call_reward_fn(source, prompts, ["hello", ""][: len(rows)], columns)
+    except RewardError as error:
+        raise ArgumentError(f"{error} (tried on two prompts at start-up)") from None
+    if any(math.isnan(score) for score in scores):
         raise ArgumentError(f"--reward-fn {spec} returned NaN for a test completion; it must return real numbers")
     return source
-
-
-def check_scores(scores, count, flag):
-    """A reward function must give one number per completion. NaN is refused at start-up (load_reward_fn); a
-    NaN later in the run is left to the non-finite guard of the update."""
-    if not isinstance(scores, (list, tuple, torch.Tensor, np.ndarray)) or len(scores) != count:
-        raise ArgumentError(f"{flag} must return {count} numbers, one per completion")
-    try:
-        values = [float(s) for s in scores]
-    except (TypeError, ValueError):
-        raise ArgumentError(f"{flag} returned a value that is not a number") from None
-    return values
 
 
 def first_line(error):
@@ -931,11 +967,13 @@ def load_pretrained(path, flag, model_class, trust_remote_code, **kwargs):
 
 
 def check_model_configs(args):
-    """Configs only: a wrong model path fails here, before any weights are read."""
+    """Configs only: a wrong model path fails here, before any weights are read. Returns the policy's config
+    (None for the toy policy)."""
     from transformers import AutoConfig
 
+    policy_config = None
     if args.sft_model_path is not None:
-        load_pretrained(args.sft_model_path, "--sft-model-path", AutoConfig, args.trust_remote_code)
+        policy_config = load_pretrained(args.sft_model_path, "--sft-model-path", AutoConfig, args.trust_remote_code)
     if args.reward_model_path:
         config = load_pretrained(args.reward_model_path, "--reward-model-path", AutoConfig, args.trust_remote_code)
         if config.num_labels != 1:
@@ -943,6 +981,18 @@ def check_model_configs(args):
                 f"--reward-model-path {args.reward_model_path}: the reward model has "
                 f"{config.num_labels} output labels; it needs exactly 1"
             )
+    return policy_config
+
+
+def check_context_length(args, policy_config, longest_prompt):
+    """The longest prompt and a whole completion must fit the policy's context (position embeddings)."""
+    context = getattr(policy_config, "max_position_embeddings", None) if policy_config else 512  # the toy's
+    if context is not None and longest_prompt + args.response_length > context:
+        raise ArgumentError(
+            f"--response-length {args.response_length} after the longest prompt ({longest_prompt} "
+            f"tokens) is beyond the policy's context of {context} tokens; lower --response-length or "
+            "--max-prompt-length"
+        )
 
 
 def load_tokenizer(args):
@@ -1206,35 +1256,166 @@ def prepare_frozen(model, accelerator):
     return engine
 
 
-def check_output_dir(output_dir, resuming):
-    """The output directory must be writable, and a new run must not overwrite the metrics or checkpoints of
-    another run there."""
-    if not resuming and (os.path.exists(os.path.join(output_dir, "metrics.jsonl")) or checkpoint_dirs(output_dir)):
+def prepare_output_dir(args, resume_dir, saved):
+    """Before anything is written: --output-dir is a writable directory that no other live run is writing (a lock
+    holds the pid), and everything in it belongs to this run's lineage. A new run does not overwrite another one
+    (unless --overwrite-output-dir). Resuming from checkpoint N abandons whatever was written after N, moved aside
+    into `abandoned-<time>/`. Resuming from another directory's checkpoint needs an empty --output-dir."""
+    out, is_main = args.output_dir, int(os.environ.get("RANK", 0)) == 0  # the main process checks and writes
+    if os.path.isfile(out):
+        raise ArgumentError(f"--output-dir {out} is a file, not a directory; choose another --output-dir")
+    holds_run = os.path.exists(os.path.join(out, "metrics.jsonl")) or bool(glob.glob(os.path.join(out, "checkpoint-*")))
+    own = resume_dir is not None and os.path.realpath(os.path.dirname(resume_dir)) == os.path.realpath(out)
+    if is_main and holds_run and resume_dir is None and not args.overwrite_output_dir:
         raise ArgumentError(
-            f"--output-dir {output_dir} already holds a run; continue it with "
-            "--resume-from-checkpoint latest, or choose another --output-dir"
+            f"--output-dir {out} already holds a run; continue it with --resume-from-checkpoint "
+            "latest, start over with --overwrite-output-dir, or choose another --output-dir"
+        )
+    if is_main and holds_run and resume_dir is not None and not own:
+        raise ArgumentError(
+            f"--resume-from-checkpoint {resume_dir} belongs to another run, and --output-dir {out} "
+            "already holds one; resume into an empty --output-dir, or from a checkpoint of its own"
         )
     try:
-        os.makedirs(output_dir, exist_ok=True)
-        probe = os.path.join(output_dir, f".write_test.{os.getpid()}")  # one per process: ranks run this at once
+        os.makedirs(out, exist_ok=True)
+        probe = os.path.join(out, f".write_test.{os.getpid()}")  # one per process: ranks run this at once
         open(probe, "w").close()
         os.remove(probe)
     except OSError as error:
-        raise ArgumentError(f"--output-dir {output_dir}: cannot write there ({error.strerror})") from None
+        raise ArgumentError(f"--output-dir {out}: cannot write there ({error.strerror})") from None
+    if not is_main:
+        return
+    take_lock(out)
+    update = saved["update"] if saved else 0
+    metrics = read_metrics_lines(os.path.join(os.path.dirname(resume_dir) if resume_dir else out, "metrics.jsonl"))
+    if resume_dir is None and holds_run:  # --overwrite-output-dir
+        for path in glob.glob(os.path.join(out, "checkpoint-*")) + [os.path.join(out, "eval_completions.jsonl")]:
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path) if os.path.exists(path) else None
+        metrics = []
+    elif own:
+        abandon_after(out, update, metrics)
+    with open(os.path.join(out, "metrics.jsonl"), "w") as f:  # the updates the checkpoint holds, no more
+        f.writelines(json.dumps(m) + "\n" for m in metrics if m["update"] <= update)
+
+
+def abandon_after(out, update, metrics):
+    """Move what a run wrote after checkpoint `update` (newer checkpoints, their metrics, a final model) aside."""
+    later = [d for d in checkpoint_dirs(out) if checkpoint_number(d) > update]
+    final = [p for p in glob.glob(os.path.join(out, "*")) if os.path.basename(p) in FINAL_MODEL_FILES]
+    later_metrics = [m for m in metrics if m["update"] > update]
+    if not (later or later_metrics):
+        return
+    aside = os.path.join(out, f"abandoned-{int(time.time())}")
+    os.makedirs(aside)
+    for path in later + final:
+        shutil.move(path, aside)
+    with open(os.path.join(aside, "metrics.jsonl"), "w") as f:
+        f.writelines(json.dumps(m) + "\n" for m in later_metrics)
+    names = ", ".join(sorted((os.path.basename(p) for p in later), key=checkpoint_number)) or "no checkpoint"
+    print(
+        f"rloo.py: resuming from checkpoint-{update} abandons what was written after it ({names}, "
+        f"{len(later_metrics)} metrics lines{', the final model' if final else ''}): moved to {aside}",
+        file=sys.stderr,
+    )
+
+
+# what save_final_model writes into --output-dir (besides the tokenizer's files)
+FINAL_MODEL_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "adapter_config.json",
+    "adapter_model.safetensors",
+    "merged",
+)
+
+
+def read_metrics_lines(path):
+    """metrics.jsonl's records; a last line cut short (a crash or a full disk while appending) is dropped."""
+    lines = read_text(path).splitlines() if os.path.exists(path) else []
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            if number < len(lines):
+                raise ArgumentError(f"{path}, line {number}: not a metrics record; repair or remove it") from None
+    return records
+
+
+LOCKS = []  # the lock files this process holds, released when main() ends
+
+
+def take_lock(out, take=True):
+    """`.lock` in the output directory names the host and pid of the run writing it: while that process lives,
+    another run into the directory is refused (a resume started while a stopping run still saves, say). A lock
+    whose process is gone is stale and removed. With take=False, only check."""
+    path, me = os.path.join(out, ".lock"), f"{socket.gethostname()} {os.getpid()}"
+    if os.path.exists(path):
+        host, _, pid = read_text(path).partition(" ")
+        if host != socket.gethostname() or process_alive(int(pid or 0)):
+            raise ArgumentError(
+                f"--output-dir {out}: another run (pid {pid} on {host}) is writing it; wait for it "
+                f"to end, or stop it (if it is gone, delete {path})"
+            )
+        os.remove(path)
+    if take:
+        try:
+            with open(path, "x") as f:  # fails if another run took it since
+                f.write(me)
+        except FileExistsError:
+            raise ArgumentError(f"--output-dir {out}: another run started writing it just now") from None
+        LOCKS.append((path, me))
+
+
+def read_text(path):
+    with open(path) as f:
+        return f.read()
+
+
+def process_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return pid > 0
+
+
+def release_locks():
+    while LOCKS:
+        path, me = LOCKS.pop()
+        with contextlib.suppress(OSError):
+            if read_text(path) == me:
+                os.remove(path)
 
 
 def find_checkpoint(args, world_size):
-    """The checkpoint to resume from and its trainer_state.json; `latest` is the newest complete one."""
+    """The checkpoint to resume from and its trainer_state.json. `latest` is the newest intact one (a damaged one
+    is skipped with a warning); a checkpoint named explicitly must be intact."""
     resume_dir = args.resume_from_checkpoint
     if resume_dir == "latest":
-        found = checkpoint_dirs(args.output_dir) if args.output_dir else []
-        if not found:
-            raise ArgumentError(f"--resume-from-checkpoint latest: no complete checkpoint in {args.output_dir}")
-        resume_dir = found[-1]
-    if not os.path.exists(os.path.join(resume_dir, "trainer_state.json")):
-        raise ArgumentError(f"--resume-from-checkpoint {resume_dir}: not a checkpoint directory written by rloo.py")
-    with open(os.path.join(resume_dir, "trainer_state.json")) as f:
-        saved = json.load(f)
+        for resume_dir in reversed(checkpoint_dirs(args.output_dir) if args.output_dir else []):
+            saved, problem = read_checkpoint(resume_dir)
+            if problem is None:
+                break
+            if int(os.environ.get("RANK", 0)) == 0:
+                print(f"rloo.py: warning: {resume_dir} is damaged ({problem}); trying an older one", file=sys.stderr)
+        else:
+            raise ArgumentError(
+                f"--resume-from-checkpoint latest: no intact checkpoint in {args.output_dir}; start "
+                "over with --overwrite-output-dir"
+            )
+    else:
+        if not os.path.exists(os.path.join(resume_dir, "trainer_state.json")):
+            raise ArgumentError(f"--resume-from-checkpoint {resume_dir}: not a checkpoint directory written by rloo.py")
+        saved, problem = read_checkpoint(resume_dir)
+        if problem is not None:
+            raise ArgumentError(
+                f"--resume-from-checkpoint {resume_dir} is damaged ({problem}); resume from another checkpoint"
+            )
     if saved["world_size"] != world_size:
         raise ArgumentError(
             f"--resume-from-checkpoint {resume_dir}: written by {saved['world_size']} processes, "
@@ -1243,23 +1424,38 @@ def find_checkpoint(args, world_size):
     return resume_dir, saved
 
 
+def read_checkpoint(path):
+    """(trainer_state, None), or (None, what is wrong with the checkpoint). trainer_state.json lists every file
+    with its size: each must be there whole; the RNG states and safetensors headers must also read."""
+    try:
+        with open(os.path.join(path, "trainer_state.json")) as f:
+            saved = json.load(f)
+        files, world_size = saved["files"], saved["world_size"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None, "trainer_state.json is missing or unreadable"
+    for name in [f"random_states_{rank}.pkl" for rank in range(world_size)] + list(files):
+        full = os.path.join(path, name)
+        if name not in files or not os.path.isfile(full):
+            return None, f"{name} is missing"
+        if os.path.getsize(full) != files[name]:
+            return None, f"{name} has {os.path.getsize(full)} bytes, not {files[name]}"
+        try:
+            if name.endswith(".pkl"):
+                torch.load(full, weights_only=False)  # every rank's RNG state: small, and a resume needs it exact
+            elif name.endswith(".safetensors"):
+                with open(full, "rb") as f:
+                    json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        except Exception:
+            return None, f"{name} is unreadable"
+    return saved, None
+
+
 # flags that set the prompts, their order, the batch and the run's length: a resume must keep them. The others
 # (the loss's coefficients, output, logging, saving) may change on purpose.
 RESUME_FIXED = (
-    "rloo_k",
-    "per_device_train_batch_size",
-    "gradient_accumulation_steps",
-    "num_mini_batches",
-    "total_episodes",
-    "response_length",
-    "seed",
-    "sft_model_path",
-    "dataset_name",
-    "dataset_split",
-    "dataset_text_field",
-    "max_prompt_length",
-    "token_level_kl",
-)
+    "rloo_k per_device_train_batch_size gradient_accumulation_steps num_mini_batches total_episodes response_length "
+    "seed sft_model_path dataset_name dataset_split dataset_text_field max_prompt_length token_level_kl"
+).split()
 
 
 def check_checkpoint_args(args, saved, resume_dir):
@@ -1275,31 +1471,62 @@ def check_checkpoint_args(args, saved, resume_dir):
 def checkpoint_dirs(output_dir):
     """Complete checkpoints, oldest first. A checkpoint is written as `*.tmp` and renamed when complete."""
     found = [d for d in glob.glob(os.path.join(output_dir, "checkpoint-*")) if not d.endswith(".tmp")]
-    found = [d for d in found if os.path.exists(os.path.join(d, "trainer_state.json"))]
-    return sorted(found, key=lambda d: int(d.rsplit("-", 1)[1]))
+    return sorted((d for d in found if os.path.exists(os.path.join(d, "trainer_state.json"))), key=checkpoint_number)
+
+
+def checkpoint_number(path):
+    return int(os.path.basename(path).split("-")[1].split(".")[0])
 
 
 def resume_or_seed(run, resume_dir, saved):
-    """Resume: weights, optimizer and every rank's RNG come back (data order and learning rate follow from the
-    update counter), and metrics.jsonl keeps only the updates the checkpoint holds. A new run seeds each rank."""
+    """Resume: weights, optimizer and every rank's RNG come back; data order and learning rate follow from the
+    update counter. A new run seeds each rank."""
     accelerator, args = run.accelerator, run.args
+    # every rank must have found the same checkpoint: on several machines, --output-dir must be shared
+    found = accelerator.gather(torch.tensor([saved["update"] if saved else -1], device=accelerator.device))
+    if found.min() != found.max():
+        raise ArgumentError(
+            f"--resume-from-checkpoint: the processes found different checkpoints (updates "
+            f"{sorted(set(found.tolist()))}); --output-dir must be on a filesystem every node shares"
+        )
     if resume_dir is not None:
-        accelerator.load_state(resume_dir)
+        try:
+            accelerator.load_state(resume_dir)
+        except Exception as error:
+            raise ArgumentError(
+                f"--resume-from-checkpoint {resume_dir}: cannot load it ({first_line(error)})"
+            ) from None
         run.start_update, run.history, run.elapsed_before = saved["update"], saved["score_history"], saved["elapsed"]
         if accelerator.is_main_process:
             print(f"resumed from {resume_dir} at update {run.start_update}")
     else:
         # each (seed, rank) its own stream, far from the next seed's: seed 42 rank 1 is not seed 43 rank 0; a fixed
         # seed and world size give the same run (python's and numpy's generators too, for reward functions)
-        seed = args.seed + 100003 * accelerator.process_index
-        torch.manual_seed(seed)
-        random.seed(seed)
-        np.random.seed(seed)
-    metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
-    if accelerator.is_main_process:
-        lines = open(metrics_path).read().splitlines() if (resume_dir and os.path.exists(metrics_path)) else []
-        with open(metrics_path, "w") as f:
-            f.writelines(line + "\n" for line in lines if json.loads(line)["update"] <= run.start_update)
+        set_rng_states(rank_seed(args.seed, accelerator.process_index))
+
+
+def rank_seed(seed, rank):
+    return seed + 100003 * rank
+
+
+def rng_states():
+    """Every random generator's state: python's, numpy's, torch's (and CUDA's)."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    return random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda
+
+
+def set_rng_states(states):
+    """Restore rng_states(), or seed every generator with one integer."""
+    if isinstance(states, int):
+        random.seed(states)
+        np.random.seed(states)
+        torch.manual_seed(states)
+        return
+    random.setstate(states[0])
+    np.random.set_state(states[1])
+    torch.set_rng_state(states[2])
+    if states[3] is not None:
+        torch.cuda.set_rng_state_all(states[3])
 
 
 def batch_indices(args, num_prompts, update, rank):
@@ -1445,8 +1672,14 @@ def log_update(run, update, metrics, queries, responses, scores):
 
     args, accelerator = run.args, run.accelerator
     if accelerator.is_main_process:
-        with open(os.path.join(args.output_dir, "metrics.jsonl"), "a") as f:
-            f.write(json.dumps(metrics) + "\n")
+        try:
+            with open(os.path.join(args.output_dir, "metrics.jsonl"), "a") as f:
+                f.write(json.dumps(metrics) + "\n")
+        except OSError as error:
+            raise SystemExit(
+                f"rloo.py: error: cannot append to {args.output_dir}/metrics.jsonl: {error.strerror} "
+                f"({free_space(args.output_dir)}); free space, then resume from the last checkpoint"
+            ) from None
         if metrics["objective/scores_clipped_frac"] > 0.1 and not run.warned_clipping:
             run.warned_clipping = True
             tqdm.write(
@@ -1471,55 +1704,114 @@ def log_update(run, update, metrics, queries, responses, scores):
         accelerator.log(metrics, step=metrics["episode"])
 
 
+def rollout_is_finite(run, update, scores, advantages, logprobs):
+    """The non-finite guard's verdict, the same on every rank (False: skip the update). The scores are checked
+    before clipping, which would turn an inf into a finite number. A reward function that failed on any rank ends
+    the run here, with a checkpoint of the last completed update."""
+    flags = torch.stack(
+        [
+            ~torch.isfinite(scores).all() | ~torch.isfinite(advantages).all(),
+            ~torch.isfinite(logprobs).all(),
+            torch.tensor(run.reward_error is not None),
+        ]
+    ).float()
+    bad_scores, bad_logprobs, failed = (all_reduce_sum(flags.to(scores.device)) > 0).tolist()
+    if failed:
+        set_rng_states(run.rng_at_update_start)  # so that a resume samples this update again, the same way
+        if update > 0 and not os.path.exists(os.path.join(run.args.output_dir, f"checkpoint-{update}")):
+            save_checkpoint(run, update)
+        kept = f"checkpoint-{update} holds the last completed update" if update else "no update had completed"
+        raise SystemExit(
+            f"rloo.py: error: {run.reward_error or 'a reward function failed on another process'}; "
+            f"stopped in update {update + 1} ({kept}); fix it and resume with --resume-from-checkpoint latest"
+        )
+    run.problem = "log-probs" if bad_logprobs else "scores" if bad_scores else None
+    return run.problem is None
+
+
 def end_of_update(run, update, stopping):
     """Checkpoints: every save_steps updates, at the end, on preemption, and when the non-finite guard gives up."""
     args, done = run.args, update + 1
+    if run.consecutive_skips >= 3 and run.problem == "log-probs":  # no checkpoint: the weights themselves may be NaN
+        raise SystemExit(
+            f"rloo.py: stopped at update {done}: the policy's log-probs were not finite in 3 updates in a "
+            f"row: its weights diverged, or --temperature {args.temperature} is too small; lower "
+            f"--learning-rate (now {args.learning_rate}) or raise --temperature, and resume from an "
+            "earlier checkpoint"
+        )
     too_many_skips = run.consecutive_skips >= 3
     if done % args.save_steps == 0 or done == args.num_total_batches or stopping or too_many_skips:
         save_checkpoint(run, done)
     if too_many_skips:
         raise SystemExit(
-            f"rloo.py: stopped at update {done}: non-finite rewards or log-probs in 3 updates in a row "
-            f"(the last good state is in {args.output_dir}/checkpoint-{done}); check the reward and "
-            "lower --learning-rate"
+            f"rloo.py: stopped at update {done}: non-finite scores (NaN or inf) in 3 updates in a row "
+            f"(the last good state is in {args.output_dir}/checkpoint-{done}); check the reward "
+            "function or model"
         )
     if stopping:
+        number = run.stop_signals[0] if run.stop_signals else signal.SIGTERM  # another rank's signal: stop alike
         if run.accelerator.is_main_process:
             print(
-                f"rloo.py: preempted; checkpoint written. Resume with: --output-dir {args.output_dir} "
-                "--resume-from-checkpoint latest",
+                f"rloo.py: stopped by {signal.Signals(number).name} after update {done}; checkpoint written. Resume "
+                f"with: --output-dir {args.output_dir} --resume-from-checkpoint latest",
                 file=sys.stderr,
             )
-        sys.exit(143)
+        sys.exit(128 + number)  # 130 for SIGINT, 143 for SIGTERM
 
 
 def save_checkpoint(run, update):
-    """Weights, optimizer, RNG of every rank (accelerate's save_state), plus the counters, into
-    checkpoint-<update>.tmp, renamed into place once complete: a crash mid-save leaves the last one intact."""
+    """Weights, optimizer, RNG of every rank (accelerate's save_state), plus the counters and the size of every
+    file, into checkpoint-<update>.tmp, renamed into place once complete: a crash or a full disk mid-save leaves
+    the previous checkpoint intact."""
     accelerator, args = run.accelerator, run.args
     final = os.path.join(args.output_dir, f"checkpoint-{update}")
     tmp = final + ".tmp"
     if accelerator.is_main_process and os.path.exists(tmp):
         shutil.rmtree(tmp)
     accelerator.wait_for_everyone()
-    accelerator.save_state(tmp)
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
+    failure = None
+    try:
+        accelerator.save_state(tmp)
+    except Exception as error:  # safetensors and torch.save report a full disk in their own words
+        failure = error
+    failed = all_reduce_sum(torch.tensor([float(failure is not None)], device=accelerator.device)).item() > 0
+    if accelerator.is_main_process and not failed:
+        files = {
+            os.path.relpath(os.path.join(d, f), tmp): os.path.getsize(os.path.join(d, f))
+            for d, _, names in os.walk(tmp)
+            for f in names
+        }
         state = {
             "update": update,
             "world_size": args.world_size,
             "args": asdict(args),
             "score_history": run.history,
             "elapsed": run.elapsed_before + time.perf_counter() - run.start_time,
+            "files": files,
         }
-        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-            json.dump(state, f)
+        try:
+            with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+                json.dump(state, f)
+        except OSError as error:
+            failure = failed = error
+    if failed:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise SystemExit(
+            f"rloo.py: error: cannot write {tmp}: {first_line(failure or 'on another process')} "
+            f"({free_space(args.output_dir)}); free space, then resume from the last checkpoint"
+        )
+    if accelerator.is_main_process:
         if os.path.exists(final):
             shutil.rmtree(final)
         os.replace(tmp, final)
         for old in checkpoint_dirs(args.output_dir)[: -args.save_total_limit] if args.save_total_limit else []:
             shutil.rmtree(old)
     accelerator.wait_for_everyone()
+
+
+def free_space(path):
+    free = shutil.disk_usage(path).free
+    return "no space left on that device" if free < 2**20 else f"{free / 2**20:.0f} MiB free on that device"
 
 
 def save_final_model(run):
@@ -1575,7 +1867,9 @@ def progress(run):
         )
     run.start_time = run.previous_end = now()
     updates = range(run.start_update, args.num_total_batches)
-    return tqdm(updates, disable=not is_main, initial=run.start_update, total=args.num_total_batches)
+    for update in tqdm(updates, disable=not is_main, initial=run.start_update, total=args.num_total_batches):
+        run.rng_at_update_start, run.reward_error = rng_states(), None
+        yield update
 
 
 def now():

@@ -17,6 +17,8 @@ import math
 import os
 import pathlib
 import re
+import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -857,7 +859,7 @@ SHORT = ["--response-length", "8", "--total-episodes", "32", "--per-device-train
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
 
 REWARD_MODULE = '''
-import json, os, signal
+import json, os, signal, sys, time
 calls = {}
 
 def log(name, prompts, completions, scores, **columns):
@@ -877,6 +879,14 @@ def vowels(prompts, completions):
     if os.environ.get("RLOO_TEST_KILL_AT") and call == int(os.environ["RLOO_TEST_KILL_AT"]):
         if os.environ.get("RANK", "0") == "0":  # like a scheduler's preemption, seen first by one rank
             os.kill(os.getpid(), signal.SIGTERM)
+    if os.environ.get("RLOO_TEST_RAISE_AT") and call == int(os.environ["RLOO_TEST_RAISE_AT"]):
+        raise ValueError("the grader is down")
+    if os.environ.get("RLOO_TEST_EXIT_AT") and call == int(os.environ["RLOO_TEST_EXIT_AT"]):
+        sys.exit(0)
+    if os.environ.get("RLOO_TEST_SLEEP"):  # a slow reward, for signals sent mid-update
+        with open(os.environ["RLOO_TEST_SLEEP"] + ".calls", "a") as f:
+            f.write(".")
+        time.sleep(1.0)
     return log("vowels", prompts, completions, scores)
 
 def columns(prompts, completions, answer, **kwargs):
@@ -969,7 +979,7 @@ def workdir(tmp_path_factory):
     return root
 
 
-def launch(workdir, output, *flags, backend="single", env=None, check=True, pythonpath=None):
+def launch(workdir, output, *flags, backend="single", env=None, check=True, pythonpath=None, preexec_fn=None):
     """`accelerate launch rloo.py` in a subprocess: one process, or two under ZeRO-3 (ds_zero3.yaml), DDP, or
     `--multi_gpu` alone, without ACCELERATE_USE_CPU (rloo.py must make it DDP on CPUs)."""
     command = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", "1", "--mixed_precision", "no",
@@ -986,7 +996,8 @@ def launch(workdir, output, *flags, backend="single", env=None, check=True, pyth
     else:
         command += ["--num_processes", "1"]
     command += [RLOO_PY, "--output-dir", str(output), *flags]
-    proc = subprocess.run(command, cwd=workdir, env=run_env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(command, cwd=workdir, env=run_env, capture_output=True, text=True, timeout=900,
+                          preexec_fn=preexec_fn)  # fmt: skip
     if check and proc.returncode != 0:
         raise AssertionError(f"rloo.py failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc
@@ -1382,7 +1393,7 @@ def test_zero3_model_reloads_on_one_process_with_ddp_logits(scale_runs):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# 17. never lose a run: checkpoints, resume, preemption, the non-finite guard
+# 17. never lose a run: checkpoints, lineage, the lock, signals, damaged files, failures, the non-finite guard
 
 
 def test_model_and_data_validation(workdir, tmp_path):
@@ -1407,28 +1418,85 @@ def test_model_and_data_validation(workdir, tmp_path):
     assert "--dataset-name" in run_main(tmp_path, dataset_name=str(empty))
     assert "--dataset-text-field" in run_main(tmp_path, dataset_name=str(fieldless))
     assert "--max-prompt-length" in run_main(tmp_path, dataset_name=str(long), max_prompt_length=50)
-    # an output directory that cannot be written
+    # prompts and completion beyond the policy's context (the toy's: 512 positions)
+    assert "--response-length" in run_main(tmp_path, response_length=600)
+    # an output directory that cannot be written, or that is a file
     blocker = tmp_path / "a_file"
     blocker.write_text("")
     assert "--output-dir" in run_main(tmp_path, output_dir=str(blocker / "sub"))
+    assert "is a file" in run_main(tmp_path, output_dir=str(blocker))
 
 
-@slow
-def test_resume_validation(workdir, tmp_path):
-    assert "--resume-from-checkpoint" in run_main(tmp_path, resume_from_checkpoint=str(tmp_path / "nothing"))
-    assert "no complete checkpoint" in run_main(tmp_path, resume_from_checkpoint="latest")
-    launch(workdir, tmp_path / "out", *SHORT)
-    # a new run may not overwrite the finished one
-    assert "already holds a run" in run_main(tmp_path, response_length=8, total_episodes=32)
-    assert len(read_metrics(tmp_path / "out")) == 4
-    # flags that change what an update computes must match the checkpoint's
-    message = run_main(tmp_path, resume_from_checkpoint="latest", rloo_k=4, response_length=8, total_episodes=32)
-    assert "--rloo-k 2" in message
-    # a checkpoint written by another number of processes is refused
-    state = json.loads((tmp_path / "out" / "checkpoint-4" / "trainer_state.json").read_text())
-    state["world_size"] = 2
-    (tmp_path / "out" / "checkpoint-4" / "trainer_state.json").write_text(json.dumps(state))
-    assert "--num_processes 2" in run_main(tmp_path, resume_from_checkpoint="latest")
+def test_a_live_run_holds_its_output_dir(workdir, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (out / ".lock").write_text(f"{socket.gethostname()} {sleeper.pid}")
+        message = run_main(tmp_path)
+        assert f"another run (pid {sleeper.pid}" in message and "--output-dir" in message
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    # its process gone, the lock is stale: taken over, and released when the run ends (here: a model that fails
+    # to load, after the lock was taken)
+    no_weights = tmp_path / "no_weights"
+    rloo.toy_tokenizer().save_pretrained(no_weights)
+    (no_weights / "config.json").write_text((workdir / "policy" / "config.json").read_text())
+    assert "--sft-model-path" in run_main(tmp_path, sft_model_path=str(no_weights))
+    assert not (out / ".lock").exists()
+
+
+def test_a_crashed_run_offers_overwrite(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"update": 1}\n')  # it crashed before its first checkpoint
+    assert "--overwrite-output-dir" in run_main(tmp_path)
+    assert "--overwrite-output-dir" in run_main(tmp_path, resume_from_checkpoint="latest")
+
+
+def fake_checkpoint(path, world_size=1):
+    from safetensors.torch import save_file
+
+    path.mkdir()
+    save_file({"w": torch.ones(3)}, str(path / "model.safetensors"))
+    for rank in range(world_size):
+        torch.save({"python": random_state_like()}, path / f"random_states_{rank}.pkl")
+    files = {p.name: p.stat().st_size for p in path.iterdir()}
+    (path / "trainer_state.json").write_text(json.dumps({"update": 2, "world_size": world_size, "files": files}))
+
+
+def random_state_like():
+    import random
+
+    return random.Random(0).getstate()
+
+
+def test_read_checkpoint_finds_every_kind_of_damage(tmp_path):
+    def problem(name, damage):
+        path = tmp_path / name
+        fake_checkpoint(path, world_size=2)
+        damage(path)
+        return rloo.read_checkpoint(str(path))[1]
+
+    assert problem("intact", lambda p: None) is None
+    assert "random_states_1.pkl is missing" in problem("no_rng", lambda p: (p / "random_states_1.pkl").unlink())
+    truncate = lambda f: f.write_bytes(f.read_bytes()[:-10])  # noqa: E731
+    assert "bytes" in problem("cut_rng", lambda p: truncate(p / "random_states_0.pkl"))
+    assert "bytes" in problem("cut_model", lambda p: truncate(p / "model.safetensors"))
+    garble = lambda f: f.write_bytes(b"\xff" * f.stat().st_size)  # noqa: E731  (the same size, other bytes)
+    assert "random_states_0.pkl is unreadable" in problem("bad_rng", lambda p: garble(p / "random_states_0.pkl"))
+    assert "model.safetensors is unreadable" in problem("bad_model", lambda p: garble(p / "model.safetensors"))
+    assert "trainer_state.json" in problem("bad_state", lambda p: garble(p / "trainer_state.json"))
+
+
+def test_metrics_lines_cut_short_are_dropped(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"update": 1}\n{"update": 2}\n{"update": 3, "epi')
+    assert rloo.read_metrics_lines(str(path)) == [{"update": 1}, {"update": 2}]
+    path.write_text('{"update": 1}\n{"upd\n{"update": 3}\n')  # damage inside the file is not a cut: refuse
+    with pytest.raises(rloo.ArgumentError, match="line 2"):
+        rloo.read_metrics_lines(str(path))
 
 
 def test_checkpoint_dirs_ignore_half_written(tmp_path):
@@ -1439,11 +1507,42 @@ def test_checkpoint_dirs_ignore_half_written(tmp_path):
     assert [pathlib.Path(d).name for d in rloo.checkpoint_dirs(str(tmp_path))] == ["checkpoint-2", "checkpoint-10"]
 
 
+def test_every_seed_and_rank_has_its_own_stream():
+    seeds = [rloo.rank_seed(seed, rank) for seed in range(2000) for rank in range(64)]
+    assert len(set(seeds)) == len(seeds)  # seed 42 rank 1 is not seed 43 rank 0
+
+
+def test_generate_survives_a_diverged_policy():
+    class Diverged(torch.nn.Module):  # logits all NaN, as from NaN weights
+        def forward(self, input_ids, **kwargs):
+            output = type("Output", (), {})()
+            output.logits, output.cache = torch.full((len(input_ids), 1, 5), math.nan), None
+            return output
+
+    tokens = rloo.generate(Diverged(), torch.ones(3, 2, dtype=torch.long), torch.ones(3, 2, dtype=torch.long), 4, 0.7,
+                           None, 0, synced=False)  # fmt: skip
+    assert tokens.shape == (3, 4) and ((0 <= tokens) & (tokens < 5)).all()
+
+
 RESUME_FLAGS = ["--reward-fn", "test_rewards:vowels", "--response-length", "8", "--total-episodes", "48",
                 "--per-device-train-batch-size", "8", "--num-sample-generations", "0", "--save-steps", "2"]  # fmt: skip
 
 
-def assert_resumed_run_matches(full_dir, resumed_dir, exact):
+@pytest.fixture(scope="session")
+def full_run(workdir):
+    """The reference run that interrupted ones must reproduce: 6 updates, checkpoints 2, 4 and 6."""
+    launch(workdir, workdir / "full_run", *RESUME_FLAGS)
+    return workdir / "full_run"
+
+
+def copy_run(full_run, tmp_path, name):
+    import shutil
+
+    shutil.copytree(full_run, tmp_path / name)
+    return tmp_path / name
+
+
+def assert_resumed_run_matches(full_dir, resumed_dir, exact=True):
     full, resumed = read_metrics(full_dir), read_metrics(resumed_dir)
     assert [m["update"] for m in resumed] == [m["update"] for m in full]  # none missing, none repeated
     for a, b in zip(full, resumed):
@@ -1457,20 +1556,211 @@ def assert_resumed_run_matches(full_dir, resumed_dir, exact):
             torch.testing.assert_close(tensor, other, rtol=1e-4, atol=1e-5)
 
 
+def one_line_error(proc):
+    """rloo.py's own one-line message, and no traceback from rloo.py (a launcher may add its own report)."""
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("rloo.py: ")]
+    assert proc.returncode != 0 and lines and 'rloo.py", line' not in proc.stderr, proc.stderr[-3000:]
+    return lines[-1]
+
+
 @slow
-def test_preempted_run_resumes_bitwise(workdir, tmp_path):
-    launch(workdir, tmp_path / "full", *RESUME_FLAGS)
+def test_resume_validation(workdir, tmp_path):
+    assert "--resume-from-checkpoint" in run_main(tmp_path, resume_from_checkpoint=str(tmp_path / "nothing"))
+    assert "no intact checkpoint" in run_main(tmp_path, resume_from_checkpoint="latest")
+    launch(workdir, tmp_path / "out", *SHORT)
+    # a new run may not overwrite the finished one, unless told to
+    message = run_main(tmp_path, response_length=8, total_episodes=32)
+    assert "already holds a run" in message and "--overwrite-output-dir" in message
+    assert len(read_metrics(tmp_path / "out")) == 4
+    # flags that change what an update computes must match the checkpoint's
+    message = run_main(tmp_path, resume_from_checkpoint="latest", rloo_k=4, response_length=8, total_episodes=32)
+    assert "--rloo-k 2" in message
+    # a checkpoint written by another number of processes is refused
+    checkpoint = tmp_path / "out" / "checkpoint-4"
+    (checkpoint / "random_states_1.pkl").write_bytes((checkpoint / "random_states_0.pkl").read_bytes())
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    state["world_size"], state["files"]["random_states_1.pkl"] = 2, state["files"]["random_states_0.pkl"]
+    (checkpoint / "trainer_state.json").write_text(json.dumps(state))
+    assert "--num_processes 2" in run_main(tmp_path, resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-4"))
+    # --overwrite-output-dir starts over: the old checkpoints and metrics are gone
+    launch(workdir, tmp_path / "out", *SHORT, "--total-episodes", "16", "--overwrite-output-dir")
+    assert len(read_metrics(tmp_path / "out")) == 2
+    assert sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*")) == ["checkpoint-2"]
+
+
+@slow
+def test_preempted_run_resumes_bitwise(workdir, full_run, tmp_path):
+    import resource
+
     # the reward function sends SIGTERM to its own process during update 3 (call 1 is the start-up check)
     proc = launch(workdir, tmp_path / "cut", *RESUME_FLAGS, env={"RLOO_TEST_KILL_AT": "4"}, check=False)
     assert proc.returncode != 0 and "--resume-from-checkpoint latest" in proc.stderr
     assert [m["update"] for m in read_metrics(tmp_path / "cut")] == [1, 2, 3]
     assert (tmp_path / "cut" / "checkpoint-3").is_dir() and not (tmp_path / "cut" / "model.safetensors").exists()
-    # a checkpoint left half-written by a kill while saving must be ignored by `latest`
+    # a checkpoint left half-written by a kill while saving must be ignored by `latest`, and a metrics line cut
+    # short by a crash while appending is dropped
     (tmp_path / "cut" / "checkpoint-5.tmp").mkdir()
+    with open(tmp_path / "cut" / "metrics.jsonl", "a") as f:
+        f.write('{"update": 4, "epis')
+    # the disk fills up: files may not grow past 100 kB, so checkpoint-4 cannot be written
+    limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))  # noqa: E731
+    proc = launch(workdir, tmp_path / "cut", *RESUME_FLAGS, "--resume-from-checkpoint", "latest", check=False,
+                  preexec_fn=limit)  # fmt: skip
+    message = one_line_error(proc)
+    assert "cannot write" in message and "checkpoint-4.tmp" in message and "free" in message
+    assert not (tmp_path / "cut" / "checkpoint-4.tmp").exists()
+    assert rloo.read_checkpoint(str(tmp_path / "cut" / "checkpoint-3"))[1] is None  # the last one is intact
     # resumed without --total-episodes: the checkpoint's value holds, not num_train_epochs x prompts
     without_total = [flag for flag in RESUME_FLAGS if flag not in ("--total-episodes", "48")]
     launch(workdir, tmp_path / "cut", *without_total, "--resume-from-checkpoint", "latest")
-    assert_resumed_run_matches(tmp_path / "full", tmp_path / "cut", exact=True)
+    assert_resumed_run_matches(full_run, tmp_path / "cut")
+
+
+@slow
+def test_resuming_an_older_checkpoint_abandons_the_newer_ones(workdir, full_run, tmp_path):
+    out = copy_run(full_run, tmp_path, "out")
+    # a new lineage from checkpoint-2 (another KL coefficient), preempted during update 4: it writes checkpoint-4
+    flags = [*RESUME_FLAGS, "--kl-coef", "0.5", "--save-total-limit", "2"]
+    proc = launch(workdir, out, *flags, "--resume-from-checkpoint", str(out / "checkpoint-2"),
+                  env={"RLOO_TEST_KILL_AT": "3"}, check=False)  # fmt: skip
+    assert proc.returncode != 0 and "abandons" in proc.stderr
+    (aside,) = out.glob("abandoned-*")
+    assert sorted(p.name for p in aside.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-6"]
+    assert [m["update"] for m in read_metrics(aside)] == [3, 4, 5, 6] and (aside / "model.safetensors").exists()
+    # `latest` now continues the new lineage, not the abandoned run's checkpoint-6
+    launch(workdir, out, *flags, "--resume-from-checkpoint", "latest")
+    metrics = read_metrics(out)
+    assert [m["update"] for m in metrics] == [1, 2, 3, 4, 5, 6]
+    for m in metrics:
+        kl_coef = 0.05 if m["update"] <= 2 else 0.5
+        assert m["objective/non_score_reward"] == pytest.approx(-kl_coef * m["objective/kl"], abs=1e-6)
+    # --save-total-limit 2 kept the new lineage's two newest checkpoints
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-6"]
+    assert json.loads((out / "checkpoint-6" / "trainer_state.json").read_text())["args"]["kl_coef"] == 0.5
+
+
+@slow
+def test_resuming_into_another_directory(workdir, full_run, tmp_path, monkeypatch):
+    monkeypatch.chdir(workdir)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "metrics.jsonl").write_text('{"update": 1}\n')  # another run's
+    message = run_main(tmp_path, output_dir=str(other), resume_from_checkpoint=str(full_run / "checkpoint-4"),
+                       reward_fn=["test_rewards:vowels"], response_length=8, total_episodes=48)  # fmt: skip
+    assert "belongs to another run" in message and (other / "metrics.jsonl").read_text() == '{"update": 1}\n'
+    # into an empty directory it continues that run, with its metrics so far
+    launch(workdir, tmp_path / "empty", *RESUME_FLAGS, "--resume-from-checkpoint", str(full_run / "checkpoint-4"))
+    assert_resumed_run_matches(full_run, tmp_path / "empty")
+
+
+@slow
+def test_damaged_checkpoints(workdir, full_run, tmp_path, monkeypatch):
+    out = copy_run(full_run, tmp_path, "out")
+    monkeypatch.chdir(workdir)
+    rng = out / "checkpoint-6" / "random_states_0.pkl"
+    rng.write_bytes(rng.read_bytes()[:-20])
+    optimizer = out / "checkpoint-4" / "optimizer.bin"
+    optimizer.write_bytes(optimizer.read_bytes()[:100])
+    for checkpoint, name in [("checkpoint-6", "random_states_0.pkl"), ("checkpoint-4", "optimizer.bin")]:
+        message = run_main(tmp_path, output_dir=str(out), resume_from_checkpoint=str(out / checkpoint))
+        assert "is damaged" in message and name in message and "\n" not in message
+    # `latest` falls back to the newest intact checkpoint, with a warning, and the run ends as the full one did
+    proc = launch(workdir, out, *RESUME_FLAGS, "--resume-from-checkpoint", "latest")
+    assert "checkpoint-6 is damaged" in proc.stderr and "checkpoint-4 is damaged" in proc.stderr
+    assert "resumed from" in proc.stdout and "checkpoint-2 at update 2" in proc.stdout
+    assert_resumed_run_matches(full_run, out)
+
+
+@slow
+@pytest.mark.parametrize("failure", ["RLOO_TEST_RAISE_AT", "RLOO_TEST_EXIT_AT"])
+def test_a_failing_reward_function_stops_with_a_checkpoint(workdir, full_run, tmp_path, failure):
+    # the function fails in update 4 (call 5): updates 1-3 are done, and checkpoint-3 keeps them
+    proc = launch(workdir, tmp_path / "out", *RESUME_FLAGS, env={failure: "5"}, check=False)
+    message = one_line_error(proc)
+    assert "--reward-fn test_rewards:vowels raised" in message and "checkpoint-3" in message
+    assert ("ValueError: the grader is down" if failure == "RLOO_TEST_RAISE_AT" else "SystemExit: 0") in message
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+    launch(workdir, tmp_path / "out", *RESUME_FLAGS, "--resume-from-checkpoint", "latest")
+    assert_resumed_run_matches(full_run, tmp_path / "out")  # the failed update was sampled again, the same way
+
+
+@slow
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_non_finite_rewards_trip_the_guard(workdir, tmp_path, value):
+    flags = ["--reward-fn", "test_rewards:vowels", "--response-length", "8", "--total-episodes", "80",
+             "--num-sample-generations", "0", "--save-steps", "1"]  # fmt: skip
+    env = {"RLOO_TEST_NAN_FROM": "4", "RLOO_TEST_NAN_VALUE": value}
+    message = one_line_error(launch(workdir, tmp_path / "out", *flags, env=env, check=False))
+    assert "non-finite scores" in message
+    metrics = read_metrics(tmp_path / "out")
+    assert [m["train/skipped_steps"] for m in metrics] == [0, 0, 1, 2, 3]  # updates 3, 4 and 5 got NaN or inf
+    # the skipped updates changed nothing: the final checkpoint holds the weights of the last good update
+    last_good, final = tmp_path / "out" / "checkpoint-2", tmp_path / "out" / "checkpoint-5"
+    for name, tensor in load_weights(last_good).items():
+        assert torch.equal(tensor, load_weights(final)[name]), name
+
+
+@slow
+def test_a_diverged_policy_stops_with_one_line(workdir, tmp_path):
+    # a vanishing temperature: logits / temperature overflow, so sampling and log-probs meet NaN
+    proc = launch(workdir, tmp_path / "out", *SHORT, "--total-episodes", "48", "--temperature", "1e-40", check=False)
+    message = one_line_error(proc)
+    assert "log-probs were not finite" in message and "--temperature" in message and "--learning-rate" in message
+    assert [m["train/skipped_steps"] for m in read_metrics(tmp_path / "out")] == [1, 2, 3]
+    assert not list((tmp_path / "out").glob("checkpoint-*"))  # no checkpoint of a diverged state
+
+
+def wait_for(condition, timeout=120):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+@slow
+def test_signals_and_the_lock(workdir, tmp_path):
+    """SIGTERM: the update ends, a checkpoint, exit 143; meanwhile a second run into the directory is refused.
+    Two SIGINTs: exit 130 at once."""
+    slow_env = subprocess_env(pythonpath=workdir, RLOO_TEST_SLEEP=str(tmp_path / "slow"))
+    command = [sys.executable, RLOO_PY, *RESUME_FLAGS, "--save-steps", "1", "--output-dir"]
+    calls = lambda: len((tmp_path / "slow.calls").read_text()) if (tmp_path / "slow.calls").exists() else 0  # noqa: E731
+    first = subprocess.Popen([*command, str(tmp_path / "out")], cwd=workdir, env=slow_env, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: calls() >= 3)  # the start-up check, update 1, and now update 2
+    second = subprocess.run([*command, str(tmp_path / "out"), "--resume-from-checkpoint", "latest"], cwd=workdir,
+                            env=subprocess_env(pythonpath=workdir), capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert f"another run (pid {first.pid}" in one_line_error(second)
+    first.send_signal(signal.SIGTERM)
+    assert first.wait(timeout=120) == 143
+    done = int(re.search(r"stopped by SIGTERM after update (\d+)", first.stderr.read()).group(1))
+    assert len(read_metrics(tmp_path / "out")) == done and (tmp_path / "out" / f"checkpoint-{done}").is_dir()
+    launch(workdir, tmp_path / "out", *RESUME_FLAGS, "--resume-from-checkpoint", "latest")
+    assert [m["update"] for m in read_metrics(tmp_path / "out")] == [1, 2, 3, 4, 5, 6]
+    # two Ctrl-C's: the second one does not wait for the update to end
+    (tmp_path / "slow.calls").unlink()
+    third = subprocess.Popen([*command, str(tmp_path / "twice")], cwd=workdir, env=slow_env, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: calls() >= 2)  # in update 1, whose reward takes a second
+    third.send_signal(signal.SIGINT)
+    time.sleep(0.2)
+    third.send_signal(signal.SIGINT)
+    assert third.wait(timeout=60) == 130 and "stopped at once" in third.stderr.read()
+    assert not list((tmp_path / "twice").glob("checkpoint-*")) and not (tmp_path / "twice" / ".lock").exists()
+
+
+@slow
+def test_ctrl_c_under_accelerate_launch(workdir, tmp_path):
+    calls = lambda: len((tmp_path / "slow.calls").read_text()) if (tmp_path / "slow.calls").exists() else 0  # noqa: E731
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1",
+               "--mixed_precision", "no", "--dynamo_backend", "no", RLOO_PY, *RESUME_FLAGS, "--output-dir",
+               str(tmp_path / "out")]  # fmt: skip
+    env = subprocess_env(pythonpath=workdir, RLOO_TEST_SLEEP=str(tmp_path / "slow"))
+    launcher = subprocess.Popen(command, cwd=workdir, env=env, start_new_session=True, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: calls() >= 3)
+    os.killpg(launcher.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole process group
+    assert launcher.wait(timeout=120) != 0
+    wait_for(lambda: not (tmp_path / "out" / ".lock").exists())  # rloo.py itself finished its update and stopped
+    assert (tmp_path / "out" / "checkpoint-2").is_dir()
+    launch(workdir, tmp_path / "out", *RESUME_FLAGS, "--resume-from-checkpoint", "latest")
+    assert [m["update"] for m in read_metrics(tmp_path / "out")] == [1, 2, 3, 4, 5, 6]
 
 
 @slow
@@ -1483,18 +1773,3 @@ def test_preempted_zero3_run_resumes(workdir, tmp_path):
     assert [m["update"] for m in read_metrics(tmp_path / "cut")] == [1, 2, 3]
     launch(workdir, tmp_path / "cut", *flags, "--resume-from-checkpoint", "latest", backend="zero3")
     assert_resumed_run_matches(tmp_path / "full", tmp_path / "cut", exact=False)
-
-
-@slow
-def test_non_finite_rewards_trip_the_guard(workdir, tmp_path):
-    flags = ["--reward-fn", "test_rewards:vowels", "--response-length", "8", "--total-episodes", "80",
-             "--num-sample-generations", "0", "--save-steps", "1"]  # fmt: skip
-    proc = launch(workdir, tmp_path / "out", *flags, env={"RLOO_TEST_NAN_FROM": "4"}, check=False)
-    assert proc.returncode != 0 and "non-finite" in proc.stderr
-    assert 'rloo.py", line' not in proc.stderr  # rloo.py's one-line message, no traceback of its own
-    metrics = read_metrics(tmp_path / "out")
-    assert [m["train/skipped_steps"] for m in metrics] == [0, 0, 1, 2, 3]  # updates 3, 4 and 5 got NaN rewards
-    # the skipped updates changed nothing: the final checkpoint holds the weights of the last good update
-    last_good, final = tmp_path / "out" / "checkpoint-2", tmp_path / "out" / "checkpoint-5"
-    for name, tensor in load_weights(last_good).items():
-        assert torch.equal(tensor, load_weights(final)[name]), name
