@@ -152,6 +152,18 @@ class Args:
     num_sample_generations: int = 10
     """print a table of prompts, completions and scores this many times per run"""
 
+    # ---- held-out evaluation
+    eval_steps: int = 0
+    """evaluate every this many updates and after the last; 0: never"""
+    eval_dataset_name: Optional[str] = None
+    """held-out prompts: a hub dataset, a local dataset directory or a .jsonl file; None: --dataset-name"""
+    eval_split: str = "test"
+    """the split of the evaluation dataset (a .jsonl file has none)"""
+    num_eval_prompts: Optional[int] = None
+    """evaluate on the first N prompts of the evaluation dataset; None: all"""
+    eval_temperature: float = 0.0
+    """0: greedy decoding; above 0: sampling at this temperature, from a random stream of its own"""
+
     # ---- checkpoints
     save_steps: int = 500
     """write a checkpoint every this many updates (and at the end)"""
@@ -350,19 +362,24 @@ def get_reward(reward_model, query_responses, attention_mask, last_index):
 @torch.no_grad()
 def generate(model, queries, query_mask, response_length, temperature, stop_token_id, pad_token_id, synced):
     """Sample up to response_length tokens per row with a KV cache: softmax(logits / temperature), no top-k or
-    top-p. Rows that produced the stop token get pad afterwards; sampling ends once every row has stopped (on
-    every rank when `synced`: a ZeRO-3 sharded model needs all ranks in each forward)."""
+    top-p; temperature 0 is greedy decoding. Rows that produced the stop token get pad afterwards; sampling ends once
+    every row has stopped (on every rank when `synced`: a ZeRO-3 sharded model needs all ranks in each forward)."""
     position_ids = (query_mask.cumsum(1) - 1).clamp(min=0)
     output = model(
         input_ids=queries, attention_mask=query_mask, position_ids=position_ids, use_cache=True, logits_to_keep=1
     )
     attention_mask, done, tokens = query_mask, torch.zeros(len(queries), dtype=torch.bool, device=queries.device), []
     for _ in range(response_length):
-        probs = torch.softmax(output.logits[:, -1].float() / temperature, dim=-1)
-        # a diverged policy (or a vanishing temperature) gives NaN: such rows sample uniformly, and the update's
-        # non-finite guard skips them
-        probs = torch.where(torch.isfinite(probs).all(-1, keepdim=True), probs, 1.0)
-        token = torch.where(done, pad_token_id, torch.multinomial(probs, 1).squeeze(1))
+        logits = output.logits[:, -1].float()  # (N, V)
+        if temperature == 0:
+            sampled = logits.argmax(-1)
+        else:
+            probs = torch.softmax(logits / temperature, dim=-1)
+            # a diverged policy (or a vanishing temperature) gives NaN: such rows sample uniformly, and the
+            # update's non-finite guard skips them
+            probs = torch.where(torch.isfinite(probs).all(-1, keepdim=True), probs, 1.0)
+            sampled = torch.multinomial(probs, 1).squeeze(1)
+        token = torch.where(done, pad_token_id, sampled)
         tokens.append(token)
         if stop_token_id is not None:
             done = done | (token == stop_token_id)
@@ -383,23 +400,22 @@ def generate(model, queries, query_mask, response_length, temperature, stop_toke
     return torch.stack(tokens, 1)  # (N, t <= response_length)
 
 
-def rollout(model, queries, query_mask, args, pad_token_id, synced):
-    """Step 1: completions (N, response_length) for every query row, `local_rollout_forward_batch_size` rows per
+def rollout(model, queries, query_mask, args, temperature, pad_token_id, synced):
+    """Step 1: a completion (N, response_length) for every query row, `local_rollout_forward_batch_size` rows per
     generate call, padded to response_length."""
-    responses = []
-    for i in range(0, len(queries), args.local_rollout_forward_batch_size):
-        rows = slice(i, i + args.local_rollout_forward_batch_size)
+    responses, chunk, length = [], args.local_rollout_forward_batch_size, args.response_length
+    for i in range(0, len(queries), chunk):
         tokens = generate(
             model,
-            queries[rows],
-            query_mask[rows],
-            args.response_length,
-            args.temperature,
+            queries[i : i + chunk],
+            query_mask[i : i + chunk],
+            length,
+            temperature,
             args.stop_token_id,
             pad_token_id,
             synced,
         )
-        responses.append(F.pad(tokens, (0, args.response_length - tokens.shape[1]), value=pad_token_id))
+        responses.append(F.pad(tokens, (0, length - tokens.shape[1]), value=pad_token_id))
     return torch.cat(responses)
 
 
@@ -423,10 +439,10 @@ def score_completions(run, rows, query_responses, attention_mask, context_length
     and as keyword lists aligned with them the dataset's other columns that it accepts. A reward model is read at
     the last real token: on the policy's token ids when it shares their vocabulary, else on prompt + completion
     rendered by its own tokenizer (render_for_reward)."""
-    args, k, device = run.args, run.args.rloo_k, query_responses.device
+    args, device = run.args, query_responses.device
     responses = query_responses[:, context_length:]
-    prompts = [row[args.dataset_text_field] for row in rows] * k  # k-major, like the completions
-    columns = {name: [row[name] for row in rows] * k for name in rows[0] if name != args.dataset_text_field}
+    prompts = [row[args.dataset_text_field] for row in rows]  # one row per completion
+    columns = {name: [row[name] for row in rows] for name in rows[0] if name != args.dataset_text_field}
     completions = run.tokenizer.batch_decode(responses, skip_special_tokens=True)
     stopped = (
         [False] * len(completions)
@@ -640,7 +656,7 @@ def train(run):
         # ---- 1. rollout: sample k completions per prompt (ZeRO-3: with the full weights gathered once)
         policy.eval()  # no dropout anyway; eval lets generation use the KV cache under gradient checkpointing
         with torch.no_grad(), generation_context(run) as (model, synced):
-            responses = rollout(model, queries, query_mask, args, pad_token_id, synced)  # (k*B, response_length)
+            responses = rollout(model, queries, query_mask, args, args.temperature, pad_token_id, synced)
         # ---- 2. truncate after the stop token; then drop the columns where every completion had stopped
         responses, response_mask = truncate_response(responses, args.stop_token_id, pad_token_id)
         T = int(response_mask.sum(1).max())
@@ -657,7 +673,7 @@ def train(run):
             with accelerator.autocast():
                 ref_logprobs = batched_logprobs(run.ref_policy, *logprob_inputs, chunk)  # (k*B, T)
             # ---- 4. the score: the weighted sum of the reward sources (reward model, reward functions)
-            rows = [run.rows[i] for i in batch]
+            rows = [run.rows[i] for i in batch] * args.rloo_k  # the dataset's row of each completion, k-major
             scores, source_rewards = score_completions(
                 run, rows, query_responses, attention_mask, context_length, response_mask
             )
@@ -757,6 +773,8 @@ class Run:
     ref_policy: Any
     optimizer: Any
     reward_sources: list  # RewardSource: the reward model first, then the reward functions
+    eval_prompts: list = field(default_factory=list)  # held-out prompts (token ids) and their rows, for evaluate()
+    eval_rows: list = field(default_factory=list)
     zero3: bool = False
     deepspeed: bool = False
     start_update: int = 0
@@ -804,6 +822,7 @@ def setup(args):
     if not sources and not args.reward_model_path:  # the toy task's reward
         toy = functools.partial(toy_reward, response_length=args.response_length)
         sources = [RewardSource("toy_reward", "the toy reward", fn=toy)]
+    eval_prompts, eval_rows = load_eval_prompts(args, tokenizer) if args.eval_steps else ([], [])
     prepare_output_dir(args, resume_dir, saved)  # the first write: everything before it only reads and checks
     if not torch.cuda.is_available():
         torch.set_num_threads(args.cpu_threads)
@@ -817,7 +836,21 @@ def setup(args):
     for source, weight in zip(sources, args.reward_weights or [1.0] * len(sources)):
         source.weight = weight
     deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
-    run = Run(args, accelerator, tokenizer, prompts, rows, policy, ref_policy, optimizer, sources, zero3, deepspeed)
+    run = Run(
+        args,
+        accelerator,
+        tokenizer,
+        prompts,
+        rows,
+        policy,
+        ref_policy,
+        optimizer,
+        sources,
+        eval_prompts,
+        eval_rows,
+        zero3,
+        deepspeed,
+    )
     if args.report_to != "none":
         accelerator.init_trackers(args.exp_name, config=asdict(args))
     resume_or_seed(run, resume_dir, saved)
@@ -844,7 +877,10 @@ FLAG_MINIMUMS = {
     ),
     **dict.fromkeys("num_mini_batches num_ppo_epochs local_rollout_forward_batch_size save_steps".split(), 1),
     **dict.fromkeys("save_total_limit total_episodes cpu_threads".split(), 1),
-    **dict.fromkeys("stop_token_id kl_coef max_grad_norm num_sample_generations".split(), 0),
+    **dict.fromkeys(
+        "stop_token_id kl_coef max_grad_norm num_sample_generations eval_steps eval_temperature".split(), 0
+    ),
+    "num_eval_prompts": 1,
 }
 FLAG_POSITIVE = ("temperature", "cliprange", "reward_clip_range", "learning_rate", "num_train_epochs")
 
@@ -1729,9 +1765,77 @@ def rollout_is_finite(run, update, scores, advantages, logprobs):
     return run.problem is None
 
 
+def load_eval_prompts(args, tokenizer):
+    """The held-out prompts: the first num_eval_prompts of --eval-dataset-name (or --dataset-name) split
+    --eval-split."""
+    path = args.eval_dataset_name or args.dataset_name
+    flag = "--eval-dataset-name" if args.eval_dataset_name else "--dataset-name (for evaluation, --eval-split)"
+    prompts, rows, _ = load_prompts(args, tokenizer, path, args.eval_split, flag)
+    return prompts[: args.num_eval_prompts], rows[: args.num_eval_prompts]
+
+
+@torch.no_grad()
+def evaluate(run, update):
+    """Held-out evaluation after `update`: one completion per prompt (greedy, or sampled at eval_temperature from a
+    stream of its own), scored by the reward sources as in training (with the missing-EOS penalty). The prompts are
+    shared out among the ranks, padded to equal counts so that ZeRO-3's sharded forwards stay in step; no optimizer
+    step, and every random generator is left as it was, so the training run does not change."""
+    args, accelerator, tokenizer = run.args, run.accelerator, run.tokenizer
+    device, pad_token_id, rank = accelerator.device, tokenizer.pad_token_id, accelerator.process_index
+    per_rank = math.ceil(len(run.eval_prompts) / args.world_size)
+    mine = list(range(rank * per_rank, min((rank + 1) * per_rank, len(run.eval_prompts))))
+    indices = (mine + [0] * per_rank)[:per_rank]  # padded with prompt 0, whose results are left out
+    training_rng = rng_states()
+    set_rng_states(rank_seed(args.seed, rank) + update)
+    run.policy.eval()
+    queries, query_mask = (t.to(device) for t in pad_batch([run.eval_prompts[i] for i in indices], pad_token_id))
+    with generation_context(run) as (model, synced):
+        responses = rollout(model, queries, query_mask, args, args.eval_temperature, pad_token_id, synced)
+    responses, response_mask = truncate_response(responses, args.stop_token_id, pad_token_id)
+    rows = [run.eval_rows[i] for i in indices]
+    query_responses, attention_mask = (
+        torch.cat([queries, responses], 1),
+        torch.cat([query_mask, response_mask.long()], 1),
+    )
+    scores, rewards = score_completions(run, rows, query_responses, attention_mask, queries.shape[1], response_mask)
+    if args.missing_eos_penalty is not None:
+        scores = (
+            scores - args.missing_eos_penalty * (~((responses == args.stop_token_id) & response_mask).any(1)).float()
+        )
+    set_rng_states(training_rng)
+    real = torch.arange(per_rank, device=device) < len(mine)  # (per_rank,) not padding
+    sums = {
+        "eval/scores": scores,
+        "eval/completion_length": response_mask.sum(1).float(),
+        "eval/num_eos_tokens": ((responses == tokenizer.eos_token_id) & response_mask).sum(1).float(),
+        **{f"eval/rewards/{name}": values for name, values in rewards.items()},
+    }
+    totals = all_reduce_sum(torch.stack([torch.where(real, v, 0.0).sum() for v in sums.values()]))
+    metrics = {"update": update} | {key: total / len(run.eval_prompts) for key, total in zip(sums, totals.tolist())}
+    metrics["eval/num_eos_tokens"] *= len(run.eval_prompts)  # a count over the evaluation, like val/num_eos_tokens
+    completions = tokenizer.batch_decode(responses, skip_special_tokens=True)
+    records = [
+        {"update": update, "prompt": row[args.dataset_text_field], "completion": text, "score": score}
+        for row, text, score in zip(rows, completions, scores.tolist())
+    ][: len(mine)]
+    if args.world_size > 1:
+        from accelerate.utils import gather_object
+
+        records = gather_object(records)
+    if accelerator.is_main_process:
+        with open(os.path.join(args.output_dir, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps(metrics) + "\n")
+        with open(os.path.join(args.output_dir, "eval_completions.jsonl"), "a") as f:
+            f.writelines(json.dumps(record) + "\n" for record in records)
+    if args.report_to != "none":
+        accelerator.log(metrics, step=update * args.batch_size)
+
+
 def end_of_update(run, update, stopping):
     """Checkpoints: every save_steps updates, at the end, on preemption, and when the non-finite guard gives up."""
     args, done = run.args, update + 1
+    if args.eval_steps and (done % args.eval_steps == 0 or done == args.num_total_batches):
+        evaluate(run, done)
     if run.consecutive_skips >= 3 and run.problem == "log-probs":  # no checkpoint: the weights themselves may be NaN
         raise SystemExit(
             f"rloo.py: stopped at update {done}: the policy's log-probs were not finite in 3 updates in a "

@@ -1003,8 +1003,10 @@ def launch(workdir, output, *flags, backend="single", env=None, check=True, pyth
     return proc
 
 
-def read_metrics(output):
-    return [json.loads(line) for line in (pathlib.Path(output) / "metrics.jsonl").read_text().splitlines()]
+def read_metrics(output, kind="train"):
+    """metrics.jsonl's records: "all", the updates' ("train", which have an episode), or the evaluations' ("eval")."""
+    records = [json.loads(line) for line in (pathlib.Path(output) / "metrics.jsonl").read_text().splitlines()]
+    return [m for m in records if kind == "all" or ("episode" in m) == (kind == "train")]
 
 
 def read_calls(log, name, rank=0):
@@ -1211,7 +1213,53 @@ def test_encoder_reward_model_scores_with_its_own_special_tokens(workdir, tmp_pa
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# 15. real checkpoints: a bf16 Llama whose tokenizer adds BOS, pad == eos
+# 15. held-out evaluation
+
+
+def greedy(model, prompt_ids, length):
+    """Greedy decoding by hand: the argmax token, appended, length times (no stop token)."""
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        for _ in range(length):
+            ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    return ids[0, len(prompt_ids) :].tolist()
+
+
+@slow
+def test_evaluation_is_on_schedule_and_leaves_training_alone(workdir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    flags = [*SHORT, "--sft-model-path", "policy", "--learning-rate", "1e-3"]
+    evaluation = ["--eval-steps", "3", "--num-eval-prompts", "6"]
+    launch(workdir, tmp_path / "plain", *flags)
+    launch(workdir, tmp_path / "greedy", *flags, *evaluation)
+    launch(workdir, tmp_path / "sampled", *flags, *evaluation, "--eval-temperature", "1.0")
+    plain = read_metrics(tmp_path / "plain")
+    for name in ["greedy", "sampled"]:  # the same training, metric by metric
+        for a, b in zip(plain, read_metrics(tmp_path / name), strict=True):
+            assert {k: v for k, v in a.items() if not k.startswith("time/") and k != "eps"} == {
+                k: v for k, v in b.items() if not k.startswith("time/") and k != "eps"
+            }
+        evals = read_metrics(tmp_path / name, "eval")
+        assert [m["update"] for m in evals] == [3, 4]  # every 3 updates, and after the last
+        records = [json.loads(line) for line in (tmp_path / name / "eval_completions.jsonl").read_text().splitlines()]
+        assert [r["update"] for r in records] == [3] * 6 + [4] * 6
+        assert [r["prompt"] for r in records[:6]] == rloo.toy_prompts()[:6]
+        for m in evals:
+            mine = [r for r in records if r["update"] == m["update"]]
+            assert all(r["score"] == pytest.approx(10 * sum(c in "aeiou" for c in r["completion"]) / 8) for r in mine)
+            assert m["eval/scores"] == pytest.approx(statistics.mean(r["score"] for r in mine))
+            assert m["eval/rewards/toy_reward"] == m["eval/scores"] and m["eval/completion_length"] == 8.0
+    # greedy: what the final policy decodes by hand (the evaluation after update 4 ran on that policy)
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(tmp_path / "greedy").eval(), rloo.toy_tokenizer()
+    records = [json.loads(line) for line in (tmp_path / "greedy" / "eval_completions.jsonl").read_text().splitlines()]
+    for record in records[6:]:
+        expected = tokenizer.decode(greedy(model, tokenizer(record["prompt"])["input_ids"], 8), skip_special_tokens=True)
+        assert record["completion"] == expected
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 16. real checkpoints: a bf16 Llama whose tokenizer adds BOS, pad == eos
 
 
 @slow
@@ -1234,7 +1282,7 @@ def test_bf16_checkpoint_trains_float32_master_weights(workdir, tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# 16. scale out: ZeRO-3 and DDP on 2 CPU processes, at a shape where ZeRO-3 really shards
+# 17. scale out: ZeRO-3 and DDP on 2 CPU processes, at a shape where ZeRO-3 really shards
 
 # counts the collectives of each process (torch.distributed's functions, wrapped before DeepSpeed binds them) and
 # records that count at each sampled token and as the rollout's weights are gathered and released
@@ -1282,7 +1330,8 @@ if os.environ.get("RLOO_TEST_COUNT") and "RANK" in os.environ:  # the ranks, not
 # matrices of 256 x 1024 elements, above DeepSpeed's stage3_param_persistence_threshold of 1e5: ZeRO-3 shards them
 # and gathers them for each use; completions stop at random steps, so ranks sample different numbers of tokens
 SCALE_FLAGS = ["--sft-model-path", "policy_wide", "--reward-model-path", "reward", "--learning-rate", "1e-4",
-               "--rloo-k", "2", "--stop-token", "eos", *SHORT, "--response-length", "16"]  # fmt: skip
+               "--rloo-k", "2", "--stop-token", "eos", *SHORT, "--response-length", "16", "--eval-steps", "1",
+               "--num-eval-prompts", "5"]  # fmt: skip
 
 
 @pytest.fixture(scope="session")
@@ -1371,6 +1420,18 @@ def test_gathered_generation_makes_no_collective_while_sampling(workdir, scale_r
 
 
 @slow
+def test_evaluation_shares_its_prompts_out_under_zero3(scale_runs):
+    outputs, ddp = scale_runs[0], read_metrics(scale_runs[0]["ddp"], "eval")
+    assert [m["update"] for m in ddp] == [1, 2]
+    for name in ["zero3", "zero3_sharded", "multi_gpu"]:
+        for a, b in zip(read_metrics(outputs[name], "eval"), ddp, strict=True):
+            for key in ["eval/scores", "eval/completion_length", "eval/num_eos_tokens", "eval/rewards/reward_model"]:
+                assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), (name, key)
+        lines = (outputs[name] / "eval_completions.jsonl").read_text().splitlines()
+        assert [json.loads(line)["prompt"] for line in lines] == rloo.toy_prompts()[:5] * 2  # none lost, none doubled
+
+
+@slow
 def test_runs_print_no_deprecation_warning_of_their_own(scale_runs):
     stderr = scale_runs[1]["zero3"].stderr  # with --gradient-checkpointing and PYTHONWARNINGS=default
     assert "gradient_checkpointing_enable" not in stderr
@@ -1393,7 +1454,7 @@ def test_zero3_model_reloads_on_one_process_with_ddp_logits(scale_runs):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# 17. never lose a run: checkpoints, lineage, the lock, signals, damaged files, failures, the non-finite guard
+# 18. never lose a run: checkpoints, lineage, the lock, signals, damaged files, failures, the non-finite guard
 
 
 def test_model_and_data_validation(workdir, tmp_path):
@@ -1524,8 +1585,10 @@ def test_generate_survives_a_diverged_policy():
     assert tokens.shape == (3, 4) and ((0 <= tokens) & (tokens < 5)).all()
 
 
+# 6 updates, a checkpoint every 2, and an evaluation every 2 (on 4 prompts), which must keep its schedule on resume
 RESUME_FLAGS = ["--reward-fn", "test_rewards:vowels", "--response-length", "8", "--total-episodes", "48",
-                "--per-device-train-batch-size", "8", "--num-sample-generations", "0", "--save-steps", "2"]  # fmt: skip
+                "--per-device-train-batch-size", "8", "--num-sample-generations", "0", "--save-steps", "2",
+                "--eval-steps", "2", "--num-eval-prompts", "4"]  # fmt: skip
 
 
 @pytest.fixture(scope="session")
@@ -1543,10 +1606,11 @@ def copy_run(full_run, tmp_path, name):
 
 
 def assert_resumed_run_matches(full_dir, resumed_dir, exact=True):
-    full, resumed = read_metrics(full_dir), read_metrics(resumed_dir)
-    assert [m["update"] for m in resumed] == [m["update"] for m in full]  # none missing, none repeated
+    full, resumed = read_metrics(full_dir, "all"), read_metrics(resumed_dir, "all")
+    # none missing, none repeated: the updates, and the evaluations on their schedule
+    assert [(m["update"], "episode" in m) for m in resumed] == [(m["update"], "episode" in m) for m in full]
     for a, b in zip(full, resumed):
-        for key in ["objective/scores", "objective/kl", "loss/policy_avg"]:
+        for key in ["objective/scores", "objective/kl", "loss/policy_avg"] if "episode" in a else ["eval/scores"]:
             assert a[key] == b[key] if exact else a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5)
     for name, tensor in load_weights(full_dir).items():
         other = load_weights(resumed_dir)[name]
