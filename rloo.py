@@ -152,6 +152,24 @@ class Args:
     num_sample_generations: int = 10
     """print a table of prompts, completions and scores this many times per run"""
 
+    # ---- LoRA (peft), with TRL's ModelConfig names
+    use_peft: bool = False
+    """train LoRA adapters on the frozen policy; the reference is that policy with its adapters switched off, so no
+    second copy of the model is loaded"""
+    lora_r: int = 16
+    """the rank of each adapter"""
+    lora_alpha: int = 32
+    """the adapters' scale is lora_alpha / lora_r"""
+    lora_dropout: float = 0.05
+    """kept for TRL's config: rloo.py turns every dropout off, LoRA's too, since the rollout's log-probs and the
+    update's must come from the same function"""
+    lora_target_modules: Optional[list[str]] = None
+    """the modules (names or name suffixes) that get adapters; None: every linear layer but the output head"""
+    lora_task_type: str = "CAUSAL_LM"
+    """peft's task type of the policy"""
+    merge_adapter: bool = False
+    """also save the policy with its adapters merged in, as a plain model in output_dir/merged"""
+
     # ---- held-out evaluation
     eval_steps: int = 0
     """evaluate every this many updates and after the last; 0: never"""
@@ -670,8 +688,8 @@ def train(run):
             # policy's in micro-batches of the training forward's size, so that with one epoch the first ratio is 1
             logprob_inputs = (query_responses, attention_mask, context_length, args.temperature)
             old_logprobs = batched_logprobs(policy, *logprob_inputs, micro)  # (k*B, T)
-            with accelerator.autocast():
-                ref_logprobs = batched_logprobs(run.ref_policy, *logprob_inputs, chunk)  # (k*B, T)
+            with accelerator.autocast(), reference_model(run) as ref_policy:  # LoRA: the policy, adapters off
+                ref_logprobs = batched_logprobs(ref_policy, *logprob_inputs, chunk)  # (k*B, T)
             # ---- 4. the score: the weighted sum of the reward sources (reward model, reward functions)
             rows = [run.rows[i] for i in batch] * args.rloo_k  # the dataset's row of each completion, k-major
             scores, source_rewards = score_completions(
@@ -828,9 +846,10 @@ def setup(args):
         torch.set_num_threads(args.cpu_threads)
     policy, ref_policy, reward_model = load_models(args, tokenizer, rows)
     accelerator, zero3 = make_accelerator(args)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, eps=1e-8, weight_decay=0.0)
+    trainable = [p for p in policy.parameters() if p.requires_grad]  # with LoRA, the adapters only
+    optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, eps=1e-8, weight_decay=0.0)
     policy, optimizer = accelerator.prepare(policy, optimizer)
-    ref_policy = prepare_frozen(ref_policy, accelerator)
+    ref_policy = prepare_frozen(ref_policy, accelerator) if ref_policy is not None else None
     if reward_model is not None:  # the reward model is the first source
         sources.insert(0, replace(reward_model, model=prepare_frozen(reward_model.model, accelerator)))
     for source, weight in zip(sources, args.reward_weights or [1.0] * len(sources)):
@@ -881,8 +900,9 @@ FLAG_MINIMUMS = {
         "stop_token_id kl_coef max_grad_norm num_sample_generations eval_steps eval_temperature".split(), 0
     ),
     "num_eval_prompts": 1,
+    "lora_r": 1,
 }
-FLAG_POSITIVE = ("temperature", "cliprange", "reward_clip_range", "learning_rate", "num_train_epochs")
+FLAG_POSITIVE = ("temperature", "cliprange", "reward_clip_range", "learning_rate", "num_train_epochs", "lora_alpha")
 
 
 def validate_args(args):
@@ -903,6 +923,10 @@ def validate_args(args):
         )
     if not all(math.isfinite(weight) for weight in args.reward_weights or []):
         raise ArgumentError(f"--reward-weights must be finite numbers (got {args.reward_weights})")
+    if not 0 <= args.lora_dropout < 1:
+        raise ArgumentError(f"--lora-dropout must be in [0, 1) (got {args.lora_dropout})")
+    if args.merge_adapter and not args.use_peft:
+        raise ArgumentError("--merge-adapter merges LoRA adapters: it needs --use-peft")
     if args.missing_eos_penalty is not None and args.stop_token is None and args.stop_token_id is None:
         raise ArgumentError("--missing-eos-penalty needs a stop token: add --stop-token eos or --stop-token-id")
     if args.report_to != "none" and importlib.util.find_spec(args.report_to) is None:
@@ -1181,14 +1205,12 @@ def load_models(args, tokenizer, rows):
     checkpoint's dtype: the optimizer steps float32 weights (stepping bf16 weights directly would round most small
     updates away), and the reference must compute exactly what the policy does before its first step. Mixed
     precision is accelerate's autocast (or DeepSpeed's bf16, with float32 master weights)."""
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    if args.sft_model_path is None:
-        policy = toy_policy(tokenizer, args.seed)
-        ref_policy = toy_policy(tokenizer, args.seed)  # the same seed: the same initial weights
-    else:
-        load = functools.partial(load_pretrained, args.sft_model_path, "--sft-model-path", AutoModelForCausalLM)
-        policy, ref_policy = (load(args.trust_remote_code, dtype=torch.float32) for _ in range(2))
+    policy = load_policy(args, tokenizer)
+    ref_policy = None if args.use_peft else load_policy(args, tokenizer)  # LoRA: the policy, its adapters off
+    if args.use_peft:
+        policy = add_lora(args, policy)
     reward = None
     if args.reward_model_path:
         load = functools.partial(load_pretrained, args.reward_model_path, "--reward-model-path")
@@ -1207,7 +1229,41 @@ def load_models(args, tokenizer, rows):
             disable_dropout(model)  # the log-probs of the rollout and of the update must come from the same function
     if args.gradient_checkpointing:
         policy.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        if args.use_peft:
+            policy.enable_input_require_grads()  # the frozen embeddings' output must carry gradients through
     return policy, ref_policy, reward
+
+
+def load_policy(args, tokenizer):
+    """The policy's initial weights in float32: the toy's (from the seed), or --sft-model-path's."""
+    from transformers import AutoModelForCausalLM
+
+    if args.sft_model_path is None:
+        return toy_policy(tokenizer, args.seed)  # the same seed: the same initial weights
+    return load_pretrained(
+        args.sft_model_path, "--sft-model-path", AutoModelForCausalLM, args.trust_remote_code, dtype=torch.float32
+    )
+
+
+def add_lora(args, policy):
+    """LoRA adapters on the policy (peft): only they train; B starts at 0, so before the first step the policy
+    computes exactly what its base does."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=args.lora_r,
+        lora_alpha=args.lora_alpha,
+        lora_dropout=args.lora_dropout,
+        target_modules=args.lora_target_modules or "all-linear",
+        task_type=args.lora_task_type,
+    )
+    torch.manual_seed(args.seed)  # the adapters' initial weights: the same on every rank and in every run
+    try:
+        return get_peft_model(policy, config)
+    except ValueError as error:
+        raise ArgumentError(
+            f"--lora-target-modules {' '.join(args.lora_target_modules or ['all-linear'])}: {first_line(error)}"
+        ) from None
 
 
 def check_reward_model(source, tokenizer, prompt):
@@ -1603,6 +1659,17 @@ def generation_context(run):
             offload._register_deepspeed_module(offload.module)
 
 
+@contextlib.contextmanager
+def reference_model(run):
+    """The frozen reference: its own model, or with LoRA the policy itself with its adapters switched off."""
+    if run.ref_policy is not None:
+        yield run.ref_policy
+        return
+    policy = run.accelerator.unwrap_model(run.policy)
+    with policy.disable_adapter():
+        yield policy
+
+
 def optimizer_step(run):
     """At the last micro-batch of a mini-batch (outside DeepSpeed, which steps inside backward): clip the gradient
     norm, step unless it is non-finite, zero the gradients. Returns 1 for a skipped step, else 0."""
@@ -1919,13 +1986,20 @@ def free_space(path):
 
 
 def save_final_model(run):
-    """The final policy as a normal save_pretrained directory, loadable on one device; then the speed report."""
+    """The final policy as a normal save_pretrained directory, loadable on one device (with LoRA: the adapter, as
+    a peft directory, and with --merge-adapter the merged model in output_dir/merged); then the speed report."""
     accelerator, args = run.accelerator, run.args
     state_dict = accelerator.get_state_dict(run.policy)  # under ZeRO-3, gathers the full weights from every rank
     if accelerator.is_main_process:
         unwrapped = accelerator.unwrap_model(run.policy)
         unwrapped.save_pretrained(args.output_dir, state_dict=state_dict, safe_serialization=True)
         run.tokenizer.save_pretrained(args.output_dir)
+        if args.merge_adapter:  # the adapter on a fresh float32 copy of the base, merged: works whatever the sharding
+            from peft import PeftModel
+
+            merged = PeftModel.from_pretrained(load_policy(args, run.tokenizer), args.output_dir).merge_and_unload()
+            merged.save_pretrained(os.path.join(args.output_dir, "merged"))
+            run.tokenizer.save_pretrained(os.path.join(args.output_dir, "merged"))
         if args.push_to_hub:
             unwrapped.push_to_hub(args.hub_model_id or args.run_name)
             run.tokenizer.push_to_hub(args.hub_model_id or args.run_name)

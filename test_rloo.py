@@ -1259,7 +1259,73 @@ def test_evaluation_is_on_schedule_and_leaves_training_alone(workdir, tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# 16. real checkpoints: a bf16 Llama whose tokenizer adds BOS, pad == eos
+# 16. LoRA: adapters train, the frozen base is the reference
+
+
+LORA_FLAGS = [*SHORT, "--sft-model-path", "policy", "--learning-rate", "1e-2", "--use-peft", "--lora-r", "4",
+              "--num-ppo-epochs", "1", "--save-steps", "2", "--reward-fn", "test_rewards:vowels"]  # fmt: skip
+
+
+@slow
+def test_lora_trains_adapters_and_saves_them(workdir, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "out"
+    launch(workdir, out, *LORA_FLAGS, "--merge-adapter", "--gradient-checkpointing")
+    first = read_metrics(out)[0]
+    assert first["objective/kl"] == 0.0 and first["val/ratio"] == 1.0  # B starts at 0: policy == its base
+    assert (out / "adapter_config.json").exists() and (out / "adapter_model.safetensors").exists()
+    # the checkpoint holds the policy: its base weights are the initial ones, its adapters moved
+    base = AutoModelForCausalLM.from_pretrained(workdir / "policy").eval()
+    trained = load_weights(out / "checkpoint-4")
+    lora = {name: tensor for name, tensor in trained.items() if "lora_" in name}
+    assert lora and any(tensor.abs().sum() > 0 for name, tensor in lora.items() if "lora_B" in name)
+    frozen = {name.replace("base_model.model.", "").replace(".base_layer", ""): tensor
+              for name, tensor in trained.items() if "lora_" not in name}  # fmt: skip
+    assert frozen.keys() == base.state_dict().keys()
+    assert all(torch.equal(tensor, base.state_dict()[name]) for name, tensor in frozen.items())
+    # the saved adapter, on the base, computes what the merged model does, and not what the base does
+    adapter = PeftModel.from_pretrained(copy.deepcopy(base), out).eval()
+    merged = AutoModelForCausalLM.from_pretrained(out / "merged").eval()
+    ids = torch.randint(0, base.config.vocab_size, (3, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert_close(adapter(ids).logits, merged(ids).logits, rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(adapter(ids).logits, base(ids).logits, atol=1e-4)
+    saved = {name.replace(".weight", ".default.weight"): t for name, t in load_weights_file(out / "adapter_model.safetensors").items()}
+    assert saved.keys() == lora.keys() and all(torch.equal(saved[name], lora[name]) for name in lora)
+
+
+def load_weights_file(path):
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+@slow
+def test_lora_run_resumes_bitwise(workdir, tmp_path):
+    launch(workdir, tmp_path / "full", *LORA_FLAGS)
+    proc = launch(workdir, tmp_path / "cut", *LORA_FLAGS, env={"RLOO_TEST_KILL_AT": "4"}, check=False)
+    assert proc.returncode != 0 and [m["update"] for m in read_metrics(tmp_path / "cut")] == [1, 2, 3]
+    launch(workdir, tmp_path / "cut", *LORA_FLAGS, "--resume-from-checkpoint", "latest")
+    for a, b in zip(read_metrics(tmp_path / "full"), read_metrics(tmp_path / "cut"), strict=True):
+        assert [a[key] for key in ("update", "objective/scores", "objective/kl", "loss/policy_avg")] == [
+            b[key] for key in ("update", "objective/scores", "objective/kl", "loss/policy_avg")
+        ]
+    full, cut = (load_weights_file(tmp_path / name / "adapter_model.safetensors") for name in ["full", "cut"])
+    assert full.keys() == cut.keys() and all(torch.equal(full[name], cut[name]) for name in full)
+
+
+def test_lora_flags_are_checked(workdir, tmp_path):
+    message = run_main(tmp_path, sft_model_path=str(workdir / "policy"), use_peft=True, lora_target_modules=["no_such"])
+    assert "--lora-target-modules" in message and "\n" not in message
+    assert "--use-peft" in run_main(tmp_path, merge_adapter=True)
+    assert "--lora-dropout" in run_main(tmp_path, use_peft=True, lora_dropout=1.0)
+    assert "--lora-r" in run_main(tmp_path, use_peft=True, lora_r=0)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 17. real checkpoints: a bf16 Llama whose tokenizer adds BOS, pad == eos
 
 
 @slow
@@ -1282,7 +1348,7 @@ def test_bf16_checkpoint_trains_float32_master_weights(workdir, tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# 17. scale out: ZeRO-3 and DDP on 2 CPU processes, at a shape where ZeRO-3 really shards
+# 18. scale out: ZeRO-3 and DDP on 2 CPU processes, at a shape where ZeRO-3 really shards
 
 # counts the collectives of each process (torch.distributed's functions, wrapped before DeepSpeed binds them) and
 # records that count at each sampled token and as the rollout's weights are gathered and released
@@ -1336,9 +1402,9 @@ SCALE_FLAGS = ["--sft-model-path", "policy_wide", "--reward-model-path", "reward
 
 @pytest.fixture(scope="session")
 def scale_runs(workdir):
-    """The same 2-process run five ways: ZeRO-3 with gathered generation (and activation checkpointing), ZeRO-3 on
-    the sharded model, DDP, DDP launched with --multi_gpu alone (no ACCELERATE_USE_CPU), and ZeRO-3 with 8
-    completions per generate call, half the rows."""
+    """The same 2-process run six ways: ZeRO-3 with gathered generation (and activation checkpointing), ZeRO-3 on
+    the sharded model, DDP, DDP launched with --multi_gpu alone (no ACCELERATE_USE_CPU), and LoRA under ZeRO-3 and
+    under DDP."""
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
     tokenizer = rloo.toy_tokenizer()
@@ -1354,7 +1420,8 @@ def scale_runs(workdir):
     (workdir / "counting" / "sitecustomize.py").write_text(COUNTING)
     outputs, procs = {}, {}
     runs = [("zero3", "zero3", ["--gradient-checkpointing"]), ("zero3_sharded", "zero3", ["--no-ds3-gather-for-generation"]),
-            ("ddp", "ddp", []), ("multi_gpu", "multi_gpu", [])]  # fmt: skip
+            ("ddp", "ddp", []), ("multi_gpu", "multi_gpu", []), ("zero3_lora", "zero3", ["--use-peft"]),
+            ("ddp_lora", "ddp", ["--use-peft"])]  # fmt: skip
     for name, backend, extra in runs:
         outputs[name] = workdir / f"scale_{name}"
         env = {"RLOO_TEST_COUNT": str(workdir / f"events_{name}"), "PYTHONWARNINGS": "default"}
@@ -1420,6 +1487,15 @@ def test_gathered_generation_makes_no_collective_while_sampling(workdir, scale_r
 
 
 @slow
+def test_lora_under_zero3_computes_what_it_does_under_ddp(scale_runs):
+    zero3, ddp = read_metrics(scale_runs[0]["zero3_lora"]), read_metrics(scale_runs[0]["ddp_lora"])
+    assert zero3[0]["objective/kl"] == ddp[0]["objective/kl"] == 0.0  # the reference is the policy, adapters off
+    for a, b in zip(zero3, ddp, strict=True):
+        for key in ["objective/scores", "objective/kl", "loss/policy_avg", "val/ratio", "policy/clipfrac_avg"]:
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), (a["update"], key)
+
+
+@slow
 def test_evaluation_shares_its_prompts_out_under_zero3(scale_runs):
     outputs, ddp = scale_runs[0], read_metrics(scale_runs[0]["ddp"], "eval")
     assert [m["update"] for m in ddp] == [1, 2]
@@ -1454,7 +1530,7 @@ def test_zero3_model_reloads_on_one_process_with_ddp_logits(scale_runs):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# 18. never lose a run: checkpoints, lineage, the lock, signals, damaged files, failures, the non-finite guard
+# 19. never lose a run: checkpoints, lineage, the lock, signals, damaged files, failures, the non-finite guard
 
 
 def test_model_and_data_validation(workdir, tmp_path):
