@@ -4,7 +4,7 @@ Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization f
 For each prompt, sample k completions; each completion's advantage is its reward minus the mean reward of the
 other k-1 completions of the same prompt. No value network, no GAE: one policy, a frozen reference and a reward.
 
-    # the embedded toy task (a tiny random policy learns to write vowels): offline, about 20 s on 2 CPU cores
+    # the embedded toy task (a tiny random policy learns to write vowels): offline, about 30 s on 2 CPU cores
     accelerate launch rloo.py --rloo-k 4
     python rloo.py --rloo-k 4                                        # the same, one process, no launcher
 
@@ -593,42 +593,14 @@ def toy_policy(tokenizer, seed):
 
 def toy_prompts():
     """256 short prompts: 16 openings x 16 subjects."""
-    openings = [
-        "Say something about",
-        "Describe",
-        "Write a line on",
-        "Tell me of",
-        "A word on",
-        "Sing of",
-        "Think about",
-        "Remember",
-        "Imagine",
-        "Praise",
-        "Name",
-        "Dream of",
-        "Talk about",
-        "Draw",
-        "Explain",
-        "Recall",
-    ]
-    subjects = [
-        "the sea",
-        "a cat",
-        "the moon",
-        "old trees",
-        "rain",
-        "a city",
-        "bread",
-        "the wind",
-        "snow",
-        "a river",
-        "music",
-        "stars",
-        "a garden",
-        "fire",
-        "the road",
-        "winter",
-    ]
+    openings = (
+        "Say something about|Describe|Write a line on|Tell me of|A word on|Sing of|Think about|Remember|"
+        "Imagine|Praise|Name|Dream of|Talk about|Draw|Explain|Recall"
+    ).split("|")
+    subjects = (
+        "the sea|a cat|the moon|old trees|rain|a city|bread|the wind|snow|a river|music|stars|a garden|fire|"
+        "the road|winter"
+    ).split("|")
     return [f"{opening} {subject}:" for opening in openings for subject in subjects]
 
 
@@ -658,7 +630,7 @@ def train(run):
     k = rloo_k completions each, P prompt tokens (left-padded), T response tokens."""
     args, accelerator, policy, tokenizer = run.args, run.accelerator, run.policy, run.tokenizer
     device, pad_token_id, micro = accelerator.device, tokenizer.pad_token_id, args.per_device_train_batch_size
-    chunk = args.local_rollout_forward_batch_size  # completions per forward pass outside training
+    k, chunk = args.rloo_k, args.local_rollout_forward_batch_size  # chunk: completions per forward outside training
     for update in progress(run):
         lr = args.learning_rate * (1.0 - update / args.num_total_batches)  # linear decay to 0 over the run
         for group in run.optimizer.param_groups:
@@ -666,7 +638,7 @@ def train(run):
 
         # ---- data: this rank's B prompts, repeated k times k-major (row i*B + j is sample i of prompt j)
         batch = batch_indices(args, len(run.prompts), update, accelerator.process_index)  # (B,) dataset rows
-        queries, query_mask = pad_batch([run.prompts[i] for i in batch] * args.rloo_k, pad_token_id)
+        queries, query_mask = pad_batch([run.prompts[i] for i in batch] * k, pad_token_id)
         queries, query_mask = queries.to(device), query_mask.to(device)  # (k*B, P)
         context_length = queries.shape[1]
         t0 = now()
@@ -691,10 +663,9 @@ def train(run):
             with accelerator.autocast(), reference_model(run) as ref_policy:  # LoRA: the policy, adapters off
                 ref_logprobs = batched_logprobs(ref_policy, *logprob_inputs, chunk)  # (k*B, T)
             # ---- 4. the score: the weighted sum of the reward sources (reward model, reward functions)
-            rows = [run.rows[i] for i in batch] * args.rloo_k  # the dataset's row of each completion, k-major
-            scores, source_rewards = score_completions(
-                run, rows, query_responses, attention_mask, context_length, response_mask
-            )
+            rows = [run.rows[i] for i in batch] * k  # the dataset's row of each completion, k-major
+            sequences = (query_responses, attention_mask, context_length, response_mask)
+            scores, source_rewards = score_completions(run, rows, *sequences)  # (k*B,), each source's (k*B,)
         t2 = now()
 
         # ---- 5. missing-EOS penalty: completions that never produced the stop token lose missing_eos_penalty
@@ -711,16 +682,14 @@ def train(run):
         kl = torch.where(response_mask, old_logprobs - ref_logprobs, 0.0)  # (k*B, T)
         sequence_kl = kl.sum(1)  # (k*B,)
         if args.token_level_kl:
-            advantages = token_level_advantages(
-                scores, kl, response_mask, args.kl_coef, args.rloo_k, args.whiten_rewards
-            )
+            advantages = token_level_advantages(scores, kl, response_mask, args.kl_coef, k, args.whiten_rewards)
             if args.normalize_advantage:
                 advantages = torch.where(response_mask, whiten(advantages, response_mask), 0.0)  # (k*B, T)
         else:
             rewards = scores - args.kl_coef * sequence_kl  # the KL penalty is part of the sequence's reward
             if args.whiten_rewards:
                 rewards = whiten(rewards, shift_mean=False)
-            advantages = rloo_advantages(rewards, args.rloo_k)  # (k*B,)
+            advantages = rloo_advantages(rewards, k)  # (k*B,)
             if args.normalize_advantage:
                 advantages = whiten(advantages)
 
@@ -734,39 +703,22 @@ def train(run):
         for _ in range(args.num_ppo_epochs if finite else 0):  # no epochs at all when the guard skips the update
             permutation = torch.randperm(args.local_batch_size, device=device)
             for start in range(0, args.local_batch_size, micro):  # micro-batches; mini-batches are consecutive runs
-                rows = permutation[start : start + micro]
+                rows = permutation[start : start + micro]  # one micro-batch
+                inputs = (query_responses[rows], attention_mask[rows], context_length, args.temperature)
+                old, mask = old_logprobs[rows], response_mask[rows]
                 with accelerator.accumulate(policy):
-                    new_logprobs, entropy = forward_logprobs(
-                        policy,
-                        query_responses[rows],
-                        attention_mask[rows],
-                        context_length,
-                        args.temperature,
-                        with_entropy=True,
-                    )
-                    loss, clipfrac = policy_loss(
-                        new_logprobs, old_logprobs[rows], advantages[rows], response_mask[rows], args.cliprange
-                    )
+                    new_logprobs, entropy = forward_logprobs(policy, *inputs, with_entropy=True)
+                    loss, clipfrac = policy_loss(new_logprobs, old, advantages[rows], mask, args.cliprange)
                     accelerator.backward(loss)  # under DeepSpeed this also clips and steps at the boundary
                     run.skipped_steps += optimizer_step(run)  # at the mini-batch's last micro-batch only
-                add_stats(
-                    stats,
-                    loss,
-                    clipfrac,
-                    new_logprobs,
-                    old_logprobs[rows],
-                    entropy,
-                    response_mask[rows],
-                    args.token_level_kl,
-                )
+                add_stats(stats, loss, clipfrac, new_logprobs, old, entropy, mask, args.token_level_kl)
         run.skipped_steps += int(not finite)
         run.consecutive_skips = 0 if finite else run.consecutive_skips + 1
         t3 = now()
 
         # ---- 10. metrics (TRL's names), over real response tokens only, summed over every rank in one all-reduce
-        sums = rollout_sums(
-            run, responses, response_mask, old_logprobs, sequence_kl, raw_scores, scores, source_rewards
-        )
+        sums = rollout_sums(run, responses, response_mask, old_logprobs, sequence_kl, raw_scores, scores)
+        sums |= {f"rewards/{name}": values.sum() for name, values in source_rewards.items()}  # before weighting
         metrics, stopping = update_metrics(run, update, stats | sums, lr, (t0, t1, t2, t3))
         log_update(run, update, metrics, query_responses[:4, :context_length], responses[:4], raw_scores[:4])
         end_of_update(run, update, stopping)
@@ -793,8 +745,8 @@ class Run:
     reward_sources: list  # RewardSource: the reward model first, then the reward functions
     eval_prompts: list = field(default_factory=list)  # held-out prompts (token ids) and their rows, for evaluate()
     eval_rows: list = field(default_factory=list)
-    zero3: bool = False
-    deepspeed: bool = False
+    deepspeed: bool = False  # the policy is a DeepSpeed engine, which clips and steps inside backward()
+    zero3: bool = False  # ... whose weights are sharded across ranks (ZeRO stage 3)
     start_update: int = 0
     history: list = field(default_factory=list)  # objective/scores of every update
     elapsed_before: float = 0.0  # seconds of training before a resume
@@ -822,12 +774,8 @@ def setup(args):
     warnings.filterwarnings("ignore", message=".*is deprecated. Please use `torch.distributed")  # DeepSpeed's calls
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     validate_args(args)
-    if (
-        args.output_dir
-        and int(os.environ.get("RANK", 0)) == 0
-        and os.path.isfile(os.path.join(args.output_dir, ".lock"))
-    ):
-        take_lock(args.output_dir, take=False)  # a run still writing there: say so before anything else
+    if args.output_dir and main_rank():
+        take_lock(args.output_dir, take=False)  # a live run writing there: say so before anything else
     policy_config = check_model_configs(args)
     tokenizer = load_tokenizer(args)
     prompts, rows, dropped = load_prompts(args, tokenizer, args.dataset_name, args.dataset_split, "--dataset-name")
@@ -840,7 +788,7 @@ def setup(args):
     if not sources and not args.reward_model_path:  # the toy task's reward
         toy = functools.partial(toy_reward, response_length=args.response_length)
         sources = [RewardSource("toy_reward", "the toy reward", fn=toy)]
-    eval_prompts, eval_rows = load_eval_prompts(args, tokenizer) if args.eval_steps else ([], [])
+    evaluation = load_eval_prompts(args, tokenizer) if args.eval_steps else ([], [])  # prompts, rows
     prepare_output_dir(args, resume_dir, saved)  # the first write: everything before it only reads and checks
     if not torch.cuda.is_available():
         torch.set_num_threads(args.cpu_threads)
@@ -854,28 +802,19 @@ def setup(args):
         sources.insert(0, replace(reward_model, model=prepare_frozen(reward_model.model, accelerator)))
     for source, weight in zip(sources, args.reward_weights or [1.0] * len(sources)):
         source.weight = weight
-    deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
-    run = Run(
-        args,
-        accelerator,
-        tokenizer,
-        prompts,
-        rows,
-        policy,
-        ref_policy,
-        optimizer,
-        sources,
-        eval_prompts,
-        eval_rows,
-        zero3,
-        deepspeed,
-    )
+    run = Run(args, accelerator, tokenizer, prompts, rows, policy, ref_policy, optimizer, sources, *evaluation)
+    run.deepspeed, run.zero3 = accelerator.distributed_type == DistributedType.DEEPSPEED, zero3
     if args.report_to != "none":
         accelerator.init_trackers(args.exp_name, config=asdict(args))
     resume_or_seed(run, resume_dir, saved)
     for signum in (signal.SIGTERM, signal.SIGINT):  # preemption: finish the update, checkpoint, exit
         signal.signal(signum, functools.partial(on_stop_signal, run))
     return run
+
+
+def main_rank():
+    """This process is the main one (rank 0), before the Accelerator exists: it alone writes files."""
+    return int(os.environ.get("RANK", 0)) == 0
 
 
 def on_stop_signal(run, number, frame):
@@ -891,16 +830,12 @@ def on_stop_signal(run, number, frame):
 # the lowest value each numeric flag may take (None, where allowed, means "not set")
 FLAG_MINIMUMS = {
     "rloo_k": 2,
-    **dict.fromkeys(
-        "response_length max_prompt_length per_device_train_batch_size gradient_accumulation_steps".split(), 1
-    ),
-    **dict.fromkeys("num_mini_batches num_ppo_epochs local_rollout_forward_batch_size save_steps".split(), 1),
-    **dict.fromkeys("save_total_limit total_episodes cpu_threads".split(), 1),
-    **dict.fromkeys(
-        "stop_token_id kl_coef max_grad_norm num_sample_generations eval_steps eval_temperature".split(), 0
-    ),
-    "num_eval_prompts": 1,
-    "lora_r": 1,
+    **dict.fromkeys("response_length max_prompt_length per_device_train_batch_size lora_r".split(), 1),
+    **dict.fromkeys("gradient_accumulation_steps num_mini_batches num_ppo_epochs save_steps".split(), 1),
+    **dict.fromkeys("local_rollout_forward_batch_size save_total_limit total_episodes cpu_threads".split(), 1),
+    **dict.fromkeys("num_eval_prompts".split(), 1),
+    **dict.fromkeys("stop_token_id kl_coef max_grad_norm num_sample_generations eval_steps".split(), 0),
+    **dict.fromkeys("eval_temperature".split(), 0),
 }
 FLAG_POSITIVE = ("temperature", "cliprange", "reward_clip_range", "learning_rate", "num_train_epochs", "lora_alpha")
 
@@ -1098,7 +1033,7 @@ def load_prompts(args, tokenizer, path, split, flag):
             f"--max-prompt-length {args.max_prompt_length}: all {len(rows)} prompts of {flag} are "
             "longer (or empty); raise it"
         )
-    if dropped and os.environ.get("RANK", "0") == "0":
+    if dropped and main_rank():
         print(
             f"rloo.py: {dropped} of {len(rows)} prompts of {flag} are longer than --max-prompt-length "
             f"{args.max_prompt_length} tokens (or empty) and are left out",
@@ -1353,7 +1288,7 @@ def prepare_output_dir(args, resume_dir, saved):
     holds the pid), and everything in it belongs to this run's lineage. A new run does not overwrite another one
     (unless --overwrite-output-dir). Resuming from checkpoint N abandons whatever was written after N, moved aside
     into `abandoned-<time>/`. Resuming from another directory's checkpoint needs an empty --output-dir."""
-    out, is_main = args.output_dir, int(os.environ.get("RANK", 0)) == 0  # the main process checks and writes
+    out, is_main = args.output_dir, main_rank()  # the main process checks and writes
     if os.path.isfile(out):
         raise ArgumentError(f"--output-dir {out} is a file, not a directory; choose another --output-dir")
     holds_run = os.path.exists(os.path.join(out, "metrics.jsonl")) or bool(glob.glob(os.path.join(out, "checkpoint-*")))
@@ -1493,7 +1428,7 @@ def find_checkpoint(args, world_size):
             saved, problem = read_checkpoint(resume_dir)
             if problem is None:
                 break
-            if int(os.environ.get("RANK", 0)) == 0:
+            if main_rank():
                 print(f"rloo.py: warning: {resume_dir} is damaged ({problem}); trying an older one", file=sys.stderr)
         else:
             raise ArgumentError(
@@ -1685,11 +1620,11 @@ def optimizer_step(run):
     return int(not finite)
 
 
-def rollout_sums(run, responses, response_mask, old_logprobs, sequence_kl, raw_scores, scores, rewards):
+def rollout_sums(run, responses, response_mask, old_logprobs, sequence_kl, raw_scores, scores):
     """The rollout's sums for the metrics (this rank's; update_metrics adds them up over every rank)."""
     args = run.args
     grouped = raw_scores.view(args.rloo_k, -1)  # (k, B)
-    sums = {
+    return {
         "kl": sequence_kl.sum(),
         "neglogp": (-old_logprobs[response_mask]).sum(),
         "scores": raw_scores.sum(),
@@ -1699,7 +1634,6 @@ def rollout_sums(run, responses, response_mask, old_logprobs, sequence_kl, raw_s
         "zero_std": (grouped == grouped[0]).all(0).sum(),  # prompts whose k scores are all equal
         "clipped": (scores.abs() >= args.reward_clip_range).sum(),  # scores at the clip range after clipping
     }
-    return sums | {f"rewards/{name}": values.sum() for name, values in rewards.items()}
 
 
 @torch.no_grad()
@@ -2037,11 +1971,13 @@ def progress(run):
 
     args, is_main = run.args, run.accelerator.is_main_process
     threads = "" if torch.cuda.is_available() else f", {torch.get_num_threads()} CPU threads each"
+    sizes = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for p in run.policy.parameters()]  # ZeRO-3: whole
+    trainable = f"{sum(n for n, grad in sizes if grad):,} of {sum(n for n, _ in sizes):,} parameters trained"
     if is_main:
         print(
             f"{args.run_name}: {args.num_total_batches} updates of {args.batch_size} completions "
             f"({args.local_dataloader_batch_size} prompts x k={args.rloo_k} per process, {args.world_size} "
-            f"processes{threads}) -> {args.output_dir}"
+            f"processes{threads}; {trainable}) -> {args.output_dir}"
         )
     run.start_time = run.previous_end = now()
     updates = range(run.start_update, args.num_total_batches)

@@ -40,8 +40,17 @@ slow = pytest.mark.slow
 
 def subprocess_env(pythonpath=ROOT, **extra):
     """The environment of every subprocess: offline, one thread per process, DeepSpeed on its CPU accelerator."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
-               TOKENIZERS_PARALLELISM="false", COLUMNS="200", PYTHONPATH=str(pythonpath), **extra)  # fmt: skip
+    env = dict(
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        DS_ACCELERATOR="cpu",
+        OMP_NUM_THREADS="1",
+        TOKENIZERS_PARALLELISM="false",
+        COLUMNS="200",
+        PYTHONPATH=str(pythonpath),
+        **extra,
+    )
     env.pop("PYTHONSTARTUP", None)
     return env
 
@@ -98,7 +107,9 @@ def test_policy_loss_sequence_mode_by_hand():
     eps = 0.2
     mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 0], [1, 0, 0]], dtype=torch.bool)
     diffs = torch.tensor([[0.1, 0.2, 0.0], [0.05, -0.02, 0.01], [-0.5, 0.0, 0.0], [-0.3, 0.0, 0.0], [0.4, 0.0, 0.0]])
-    old = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -1.5, -2.5], [-0.7, -1.1, -0.2], [-2.0, -0.4, -0.9], [-1.2, -3.0, -0.6]])
+    old = torch.tensor(
+        [[-1.0, -2.0, -0.5], [-0.3, -1.5, -2.5], [-0.7, -1.1, -0.2], [-2.0, -0.4, -0.9], [-1.2, -3.0, -0.6]]
+    )
     new = (old + diffs).requires_grad_()
     adv = torch.tensor([2.0, -1.0, -1.0, 3.0, -0.5])
     loss, clipfrac = rloo.policy_loss(new, old, adv, mask, eps)
@@ -169,7 +180,9 @@ def test_policy_loss_ignores_garbage_at_masked_positions(token_mode):
         loss.backward()
         return loss.detach(), clipfrac, new.grad
 
-    clean = run(torch.where(mask, new, 0.0), torch.where(mask, old, 0.0), torch.where(mask, adv, 0.0) if token_mode else adv)
+    clean = run(
+        torch.where(mask, new, 0.0), torch.where(mask, old, 0.0), torch.where(mask, adv, 0.0) if token_mode else adv
+    )
     assert 0.0 < clean[1].item() < 1.0  # the case exercises both sides of the clip
     garbage = torch.tensor([math.inf, -math.inf, math.nan, 1e9, -1e9, math.nan])
     fill = garbage.repeat(N * T // len(garbage) + 1)[: N * T].view(N, T)
@@ -291,7 +304,12 @@ def test_token_level_advantages_whiten_rewards_only_rescales():
     mask = torch.arange(T)[None, :] < torch.tensor([[4], [2], [3], [1]])
     got = rloo.token_level_advantages(scores, kl, mask, c, k, whiten_rewards=True)
     last = [int(mask[n].sum()) - 1 for n in range(N)]
-    r = [-c * float(kl[n, t]) + (float(scores[n]) if t == last[n] else 0.0) for n in range(N) for t in range(T) if mask[n, t]]
+    r = [
+        -c * float(kl[n, t]) + (float(scores[n]) if t == last[n] else 0.0)
+        for n in range(N)
+        for t in range(T)
+        if mask[n, t]
+    ]
     s = math.sqrt(statistics.variance(r) + 1e-8)
     assert_real_positions(got, token_advantages_reference(scores / s, kl / s, mask, c, k), mask)
 
@@ -343,12 +361,15 @@ def _whiten_worker(rank, init_file, out_dir, values, mask):
         mean_m, var_m = rloo.global_mean_var(local, local_mask)
         mean_a, var_a = rloo.global_mean_var(local)
         result = {
-            "mean_masked": mean_m, "var_masked": var_m, "mean_all": mean_a, "var_all": var_a,
+            "mean_masked": mean_m,
+            "var_masked": var_m,
+            "mean_all": mean_a,
+            "var_all": var_a,
             "whiten_masked": rloo.whiten(local, local_mask),
             "whiten_masked_keep_mean": rloo.whiten(local, local_mask, shift_mean=False),
             "whiten_all": rloo.whiten(local),
             "sum": rloo.all_reduce_sum(torch.tensor([float(rank + 1)])),
-        }  # fmt: skip
+        }
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -432,13 +453,18 @@ def char_tokenizer(bos=None, eos="<|endoftext|>", pad="<|pad|>", chat_template=N
     from tokenizers import Tokenizer, decoders, models, processors
     from transformers import PreTrainedTokenizerFast
 
-    tokens = [chr(c) for c in range(32, 127)] + ["\n"] + list(dict.fromkeys([pad, eos, "<|unk|>"] + ([bos] if bos else [])))
+    tokens = (
+        [chr(c) for c in range(32, 127)] + ["\n"] + list(dict.fromkeys([pad, eos, "<|unk|>"] + ([bos] if bos else [])))
+    )
     inner = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[], unk_token="<|unk|>"))
     inner.decoder = decoders.Fuse()
     if bos:
-        inner.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, tokens.index(bos))])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=inner, bos_token=bos, eos_token=eos, pad_token=pad,
-                                        unk_token="<|unk|>", padding_side="left")  # fmt: skip
+        inner.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", special_tokens=[(bos, tokens.index(bos))]
+        )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=inner, bos_token=bos, eos_token=eos, pad_token=pad, unk_token="<|unk|>", padding_side="left"
+    )
     tokenizer.chat_template = chat_template
     return tokenizer
 
@@ -452,12 +478,22 @@ def bert_reward_model(seed=3):
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]"] + characters + ["##" + c for c in characters]
     inner = Tokenizer(models.WordPiece({t: i for i, t in enumerate(vocab)}, unk_token="[UNK]"))
     inner.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    inner.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=inner, pad_token="[PAD]", unk_token="[UNK]",
-                                        cls_token="[CLS]", sep_token="[SEP]")  # fmt: skip
+    inner.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)]
+    )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=inner, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]"
+    )
     torch.manual_seed(seed)
-    config = BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                        intermediate_size=64, max_position_embeddings=256, num_labels=1)  # fmt: skip
+    config = BertConfig(
+        vocab_size=len(vocab),
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=256,
+        num_labels=1,
+    )
     return BertForSequenceClassification(config).eval(), tokenizer
 
 
@@ -470,13 +506,30 @@ def tiny_reward_model(request):
     torch.manual_seed(0)
     if request.param == "gpt_neox":
         config = GPTNeoXConfig(
-            vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-            max_position_embeddings=64, num_labels=1, pad_token_id=0, eos_token_id=1, bos_token_id=1,
-        )  # fmt: skip
+            vocab_size=50,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=64,
+            max_position_embeddings=64,
+            num_labels=1,
+            pad_token_id=0,
+            eos_token_id=1,
+            bos_token_id=1,
+        )
         model = GPTNeoXForSequenceClassification(config).eval()
         return model, model.gpt_neox
-    config = GPT2Config(vocab_size=50, n_embd=32, n_layer=2, n_head=4, n_positions=64, num_labels=1,
-                        pad_token_id=0, eos_token_id=1, bos_token_id=1)  # fmt: skip
+    config = GPT2Config(
+        vocab_size=50,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_positions=64,
+        num_labels=1,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=1,
+    )
     model = GPT2ForSequenceClassification(config).eval()
     return model, model.transformer
 
@@ -484,9 +537,7 @@ def tiny_reward_model(request):
 def test_get_reward(tiny_reward_model):
     model, backbone = tiny_reward_model
     # left-padded prompts + right-padded responses; last_index is each row's last real token
-    ids = torch.tensor(
-        [[0, 0, 5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16, 0, 0], [0, 0, 0, 20, 21, 22, 23, 0]]
-    )
+    ids = torch.tensor([[0, 0, 5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16, 0, 0], [0, 0, 0, 20, 21, 22, 23, 0]])
     mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 0, 0], [0, 0, 0, 1, 1, 1, 1, 0]])
     last_index = torch.tensor([7, 5, 6])
     with torch.no_grad():
@@ -625,8 +676,13 @@ def test_flag_checks(tmp_path, fields, flag):
 
 
 def test_bad_flag_exits_with_one_line_and_no_traceback(tmp_path):
-    proc = subprocess.run([sys.executable, RLOO_PY, "--rloo-k", "1", "--output-dir", str(tmp_path / "o")],
-                          capture_output=True, text=True, env=subprocess_env(), timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, RLOO_PY, "--rloo-k", "1", "--output-dir", str(tmp_path / "o")],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=120,
+    )
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr
     lines = proc.stderr.strip().splitlines()
@@ -646,8 +702,15 @@ def test_resolve_args_total_episodes_counts_every_process():
 
 
 def test_resolve_args_derives_sizes_once():
-    args = check_flags(world_size=2, per_device_train_batch_size=4, gradient_accumulation_steps=3, num_mini_batches=2,
-                       rloo_k=3, num_train_epochs=2.0, num_prompts=100)  # fmt: skip
+    args = check_flags(
+        world_size=2,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=3,
+        num_mini_batches=2,
+        rloo_k=3,
+        num_train_epochs=2.0,
+        num_prompts=100,
+    )
     assert (args.local_batch_size, args.batch_size, args.local_mini_batch_size) == (24, 48, 12)
     assert args.local_dataloader_batch_size == 8  # prompts per process: 24 completions / k=3
     assert args.total_episodes == 200 and args.num_total_batches == math.ceil(200 / 48)
@@ -685,8 +748,9 @@ TRL_FLAGS = (
 
 
 def test_cli_help_lists_trl_flags_and_each_default_once():
-    result = subprocess.run([sys.executable, RLOO_PY, "--help"], capture_output=True, text=True, cwd=ROOT,
-                            env=subprocess_env(), timeout=120)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, RLOO_PY, "--help"], capture_output=True, text=True, cwd=ROOT, env=subprocess_env(), timeout=120
+    )
     assert result.returncode == 0, result.stderr
     missing = [f for f in TRL_FLAGS if not re.search(rf"(?<![\w-]){re.escape(f)}(?![\w-])", result.stdout)]
     assert not missing, missing
@@ -696,18 +760,37 @@ def test_cli_help_lists_trl_flags_and_each_default_once():
     assert "--batch-size" not in result.stdout  # the derived sizes are not flags
 
 
-DERIVED = ("world_size", "local_batch_size", "batch_size", "local_mini_batch_size", "local_dataloader_batch_size",
-           "num_total_batches")  # fmt: skip
+DERIVED = (
+    "world_size",
+    "local_batch_size",
+    "batch_size",
+    "local_mini_batch_size",
+    "local_dataloader_batch_size",
+    "num_total_batches",
+)
 
 
 def test_defaults_equal_trl():
     args = rloo.Args()
     trl = dict(
-        num_ppo_epochs=4, whiten_rewards=False, kl_coef=0.05, cliprange=0.2, rloo_k=2, normalize_reward=False,
-        reward_clip_range=10.0, normalize_advantage=False, token_level_kl=False, ds3_gather_for_generation=True,
-        num_mini_batches=1, local_rollout_forward_batch_size=64, num_sample_generations=10, response_length=53,
-        stop_token=None, temperature=0.7, missing_eos_penalty=None,
-    )  # fmt: skip
+        num_ppo_epochs=4,
+        whiten_rewards=False,
+        kl_coef=0.05,
+        cliprange=0.2,
+        rloo_k=2,
+        normalize_reward=False,
+        reward_clip_range=10.0,
+        normalize_advantage=False,
+        token_level_kl=False,
+        ds3_gather_for_generation=True,
+        num_mini_batches=1,
+        local_rollout_forward_batch_size=64,
+        num_sample_generations=10,
+        response_length=53,
+        stop_token=None,
+        temperature=0.7,
+        missing_eos_penalty=None,
+    )
     assert {name: getattr(args, name) for name in trl} == trl
     assert args.exp_name == "rloo"  # TRL: the script's name without .py
 
@@ -750,8 +833,9 @@ def test_bad_data_is_one_line_naming_the_line(tmp_path, lines, words):
 
 def test_prompts_keep_the_tokenizers_bos_and_every_column(tmp_path):
     tokenizer = char_tokenizer(bos="<s>", eos="</s>", pad="</s>")
-    prompts, rows, dropped = prompts_of(tmp_path, ['{"prompt": "Hi:", "answer": 3}', '{"prompt": "' + "x" * 40 + '"}'],
-                                        tokenizer, max_prompt_length=10)  # fmt: skip
+    prompts, rows, dropped = prompts_of(
+        tmp_path, ['{"prompt": "Hi:", "answer": 3}', '{"prompt": "' + "x" * 40 + '"}'], tokenizer, max_prompt_length=10
+    )
     assert prompts == [[tokenizer.bos_token_id] + tokenizer("Hi:", add_special_tokens=False)["input_ids"]]
     assert rows == [{"prompt": "Hi:", "answer": 3}] and dropped == 1
 
@@ -759,9 +843,13 @@ def test_prompts_keep_the_tokenizers_bos_and_every_column(tmp_path):
 def test_chat_prompts_use_the_chat_template(tmp_path):
     template = "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
     tokenizer = char_tokenizer(bos="<s>", eos="</s>", pad="</s>", chat_template=template)
-    lines = [json.dumps({"messages": [{"role": "user", "content": "hi there"}]}),
-             json.dumps({"messages": [{"role": "user", "content": "x" * 300}]})]  # fmt: skip
-    prompts, rows, dropped = prompts_of(tmp_path, lines, tokenizer, dataset_text_field="messages", max_prompt_length=100)
+    lines = [
+        json.dumps({"messages": [{"role": "user", "content": "hi there"}]}),
+        json.dumps({"messages": [{"role": "user", "content": "x" * 300}]}),
+    ]
+    prompts, rows, dropped = prompts_of(
+        tmp_path, lines, tokenizer, dataset_text_field="messages", max_prompt_length=100
+    )
     # the template rendered by hand: its own BOS, once; the 300-character prompt is over max_prompt_length
     expected = tokenizer("user: hi there\nassistant:", add_special_tokens=False)["input_ids"]
     assert prompts == [[tokenizer.bos_token_id] + expected] and dropped == 1
@@ -772,9 +860,12 @@ def test_chat_prompts_without_a_usable_template_are_one_line(tmp_path):
     lines = [json.dumps({"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]})]
     with pytest.raises(rloo.ArgumentError, match="--dataset-text-field.*no chat template"):
         prompts_of(tmp_path, lines)  # the toy tokenizer has no chat template
-    refusing = char_tokenizer(chat_template=(
-        "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
-        "{% endif %}{{ m['content'] }}{% endfor %}"))  # fmt: skip
+    refusing = char_tokenizer(
+        chat_template=(
+            "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+            "{% endif %}{{ m['content'] }}{% endfor %}"
+        )
+    )
     with pytest.raises(rloo.ArgumentError) as error:
         prompts_of(tmp_path, lines, refusing)
     message = str(error.value.code)
@@ -815,10 +906,14 @@ def test_reward_functions_get_the_columns_they_name():
 
 @pytest.mark.parametrize(
     "function, words",
-    [("no_module_here:fn", "cannot import"), ("test_rewards:missing", "cannot import"),
-     ("test_rewards:wrong_count", "numbers"), ("test_rewards:not_numbers", "not a number"),
-     ("test_rewards:always_nan", "NaN")],
-)  # fmt: skip
+    [
+        ("no_module_here:fn", "cannot import"),
+        ("test_rewards:missing", "cannot import"),
+        ("test_rewards:wrong_count", "numbers"),
+        ("test_rewards:not_numbers", "not a number"),
+        ("test_rewards:always_nan", "NaN"),
+    ],
+)
 def test_reward_fn_validation(workdir, tmp_path, monkeypatch, function, words):
     monkeypatch.chdir(workdir)
     message = run_main(tmp_path, reward_fn=[function])
@@ -832,10 +927,18 @@ def test_reward_fn_validation(workdir, tmp_path, monkeypatch, function, words):
 def test_import_runs_nothing(tmp_path):
     cwd, report = tmp_path / "cwd", tmp_path / "modules.txt"
     cwd.mkdir()
-    code = ("import sys, rloo; open(sys.argv[1], 'w').write(repr((rloo.__file__, sorted(m for m in "
-            "('accelerate', 'deepspeed', 'transformers', 'datasets', 'peft') if m in sys.modules))))")  # fmt: skip
-    result = subprocess.run([sys.executable, "-c", code, str(report)], capture_output=True, text=True, cwd=cwd,
-                            env=subprocess_env(), timeout=120)  # fmt: skip
+    code = (
+        "import sys, rloo; open(sys.argv[1], 'w').write(repr((rloo.__file__, sorted(m for m in "
+        "('accelerate', 'deepspeed', 'transformers', 'datasets', 'peft') if m in sys.modules))))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(report)],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=subprocess_env(),
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout == "" and result.stderr == ""  # prints nothing
     assert os.listdir(cwd) == []  # writes nothing: no runs/, no metrics, no checkpoint
@@ -848,14 +951,43 @@ def test_import_runs_nothing(tmp_path):
 # end to end: rloo.py through `accelerate launch` in a subprocess, offline, with tiny local models
 
 METRIC_NAMES = [
-    "objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward", "objective/scores",
-    "policy/approxkl_avg", "policy/clipfrac_avg", "loss/policy_avg", "policy/entropy_avg", "val/ratio",
-    "val/ratio_var", "val/num_eos_tokens", "lr", "episode", "eps", "train/skipped_steps", "frac_reward_zero_std",
-    "time/generation", "time/scoring", "time/training", "time/other", "time/tokens_per_second", "time/peak_memory_mib",
-]  # fmt: skip
+    "objective/kl",
+    "objective/entropy",
+    "objective/non_score_reward",
+    "objective/rlhf_reward",
+    "objective/scores",
+    "policy/approxkl_avg",
+    "policy/clipfrac_avg",
+    "loss/policy_avg",
+    "policy/entropy_avg",
+    "val/ratio",
+    "val/ratio_var",
+    "val/num_eos_tokens",
+    "lr",
+    "episode",
+    "eps",
+    "train/skipped_steps",
+    "frac_reward_zero_std",
+    "time/generation",
+    "time/scoring",
+    "time/training",
+    "time/other",
+    "time/tokens_per_second",
+    "time/peak_memory_mib",
+]
 # a short run: 4 updates of 8 completions, 8 tokens each
-SHORT = ["--response-length", "8", "--total-episodes", "32", "--per-device-train-batch-size", "8",
-         "--num-sample-generations", "0", "--local-rollout-forward-batch-size", "8"]  # fmt: skip
+SHORT = [
+    "--response-length",
+    "8",
+    "--total-episodes",
+    "32",
+    "--per-device-train-batch-size",
+    "8",
+    "--num-sample-generations",
+    "0",
+    "--local-rollout-forward-batch-size",
+    "8",
+]
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
 
 REWARD_MODULE = '''
@@ -963,18 +1095,28 @@ def workdir(tmp_path_factory):
     bert_tokenizer.save_pretrained(root / "reward_bert")
     llama_tokenizer = char_tokenizer(bos="<s>", eos="</s>", pad="</s>")
     torch.manual_seed(2)
-    llama = LlamaForCausalLM(LlamaConfig(
-        vocab_size=len(llama_tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-        bos_token_id=llama_tokenizer.bos_token_id, eos_token_id=llama_tokenizer.eos_token_id,
-        pad_token_id=llama_tokenizer.pad_token_id,
-    ))  # fmt: skip
+    llama = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=len(llama_tokenizer),
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=128,
+            bos_token_id=llama_tokenizer.bos_token_id,
+            eos_token_id=llama_tokenizer.eos_token_id,
+            pad_token_id=llama_tokenizer.pad_token_id,
+        )
+    )
     llama.to(torch.bfloat16).save_pretrained(root / "llama_bf16")
     llama_tokenizer.save_pretrained(root / "llama_bf16")
     (root / "test_rewards.py").write_text(REWARD_MODULE)
     subjects = ["the sea", "a cat", "the moon", "old trees", "rain", "a city", "bread", "the wind"]
-    rows = [{"messages": [{"role": "user", "content": f"Describe {s}"}], "answer": len(f"Describe {s}"), "tag": f"t{n}"}
-            for n, s in enumerate(subjects)]  # fmt: skip
+    rows = [
+        {"messages": [{"role": "user", "content": f"Describe {s}"}], "answer": len(f"Describe {s}"), "tag": f"t{n}"}
+        for n, s in enumerate(subjects)
+    ]
     (root / "chat.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     return root
 
@@ -982,8 +1124,17 @@ def workdir(tmp_path_factory):
 def launch(workdir, output, *flags, backend="single", env=None, check=True, pythonpath=None, preexec_fn=None):
     """`accelerate launch rloo.py` in a subprocess: one process, or two under ZeRO-3 (ds_zero3.yaml), DDP, or
     `--multi_gpu` alone, without ACCELERATE_USE_CPU (rloo.py must make it DDP on CPUs)."""
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", "1", "--mixed_precision", "no",
-               "--dynamo_backend", "no"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+    ]
     run_env = subprocess_env(pythonpath=pythonpath or workdir, **(env or {}))
     if backend == "zero3":
         command += ["--config_file", str(ROOT / "ds_zero3.yaml"), "--num_processes", "2"]
@@ -996,8 +1147,9 @@ def launch(workdir, output, *flags, backend="single", env=None, check=True, pyth
     else:
         command += ["--num_processes", "1"]
     command += [RLOO_PY, "--output-dir", str(output), *flags]
-    proc = subprocess.run(command, cwd=workdir, env=run_env, capture_output=True, text=True, timeout=900,
-                          preexec_fn=preexec_fn)  # fmt: skip
+    proc = subprocess.run(
+        command, cwd=workdir, env=run_env, capture_output=True, text=True, timeout=900, preexec_fn=preexec_fn
+    )
     if check and proc.returncode != 0:
         raise AssertionError(f"rloo.py failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc
@@ -1052,8 +1204,19 @@ def test_toy_run_writes_every_metric(workdir, tmp_path):
 def test_local_models_save_a_model_that_reloads(workdir, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    launch(workdir, tmp_path / "out", "--sft-model-path", str(workdir / "policy"), "--reward-model-path",
-           str(workdir / "reward"), "--stop-token", "eos", "--learning-rate", "1e-3", *SHORT)  # fmt: skip
+    launch(
+        workdir,
+        tmp_path / "out",
+        "--sft-model-path",
+        str(workdir / "policy"),
+        "--reward-model-path",
+        str(workdir / "reward"),
+        "--stop-token",
+        "eos",
+        "--learning-rate",
+        "1e-3",
+        *SHORT,
+    )
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "out")
     initial = AutoModelForCausalLM.from_pretrained(workdir / "policy")
@@ -1085,14 +1248,28 @@ def test_token_level_kl_changes_the_loss(workdir, tmp_path):
     assert sequence[0]["objective/scores"] == token[0]["objective/scores"]
     # once the policy has moved, the KL enters each token's advantage instead of the sequence reward
     assert all(m["objective/kl"] != 0 for m in sequence[1:])
-    assert any(a["loss/policy_avg"] != pytest.approx(b["loss/policy_avg"], abs=1e-6) for a, b in zip(sequence[1:], token[1:]))
+    assert any(
+        a["loss/policy_avg"] != pytest.approx(b["loss/policy_avg"], abs=1e-6) for a, b in zip(sequence[1:], token[1:])
+    )
 
 
 @slow
 def test_reward_fn_scores_the_completions(workdir, tmp_path):
     log = tmp_path / "calls"
-    launch(workdir, tmp_path / "out", "--reward-fn", "test_rewards:vowels", "--rloo-k", "4", *SHORT,
-           "--save-steps", "1", "--save-total-limit", "2", env={"RLOO_TEST_LOG": str(log)})  # fmt: skip
+    launch(
+        workdir,
+        tmp_path / "out",
+        "--reward-fn",
+        "test_rewards:vowels",
+        "--rloo-k",
+        "4",
+        *SHORT,
+        "--save-steps",
+        "1",
+        "--save-total-limit",
+        "2",
+        env={"RLOO_TEST_LOG": str(log)},
+    )
     # a checkpoint after every update, the newest 2 kept
     assert sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-4"]
     calls, metrics = read_calls(log, "vowels"), read_metrics(tmp_path / "out")
@@ -1110,9 +1287,23 @@ def test_missing_eos_penalty_uses_the_stop_token(workdir, tmp_path):
     # the stop token is the character "e", not eos: a completion has it iff its text ends with "e" after truncation
     stop_id = rloo.toy_tokenizer().convert_tokens_to_ids("e")
     log = tmp_path / "calls"
-    launch(workdir, tmp_path / "out", "--reward-fn", "test_rewards:vowels", "--stop-token-id", str(stop_id),
-           "--missing-eos-penalty", "2.5", "--response-length", "48", "--total-episodes", "32",
-           "--num-sample-generations", "0", env={"RLOO_TEST_LOG": str(log)})  # fmt: skip
+    launch(
+        workdir,
+        tmp_path / "out",
+        "--reward-fn",
+        "test_rewards:vowels",
+        "--stop-token-id",
+        str(stop_id),
+        "--missing-eos-penalty",
+        "2.5",
+        "--response-length",
+        "48",
+        "--total-episodes",
+        "32",
+        "--num-sample-generations",
+        "0",
+        env={"RLOO_TEST_LOG": str(log)},
+    )
     calls, metrics = read_calls(log, "vowels"), read_metrics(tmp_path / "out")
     saw_both = set()
     for call, m in zip(calls, metrics):
@@ -1151,9 +1342,24 @@ def test_reward_normalization_and_clipping(workdir, tmp_path, normalize):
 @slow
 def test_reward_functions_see_columns_and_chat_prompts_and_are_weighted(workdir, tmp_path):
     log = tmp_path / "calls"
-    launch(workdir, tmp_path / "out", "--sft-model-path", "policy_chat", "--dataset-name", "chat.jsonl",
-           "--dataset-text-field", "messages", "--reward-fn", "test_rewards:columns", "test_rewards:vowels",
-           "--reward-weights", "0.5", "2.0", *SHORT, env={"RLOO_TEST_LOG": str(log)})  # fmt: skip
+    launch(
+        workdir,
+        tmp_path / "out",
+        "--sft-model-path",
+        "policy_chat",
+        "--dataset-name",
+        "chat.jsonl",
+        "--dataset-text-field",
+        "messages",
+        "--reward-fn",
+        "test_rewards:columns",
+        "test_rewards:vowels",
+        "--reward-weights",
+        "0.5",
+        "2.0",
+        *SHORT,
+        env={"RLOO_TEST_LOG": str(log)},
+    )
     rows = [json.loads(line) for line in (workdir / "chat.jsonl").read_text().splitlines()]
     startup = json.loads((pathlib.Path(f"{log}.columns.0")).read_text().splitlines()[0])
     assert startup["prompts"] == [rows[0]["messages"], rows[1]["messages"]]  # the same form at start-up
@@ -1187,8 +1393,19 @@ def test_reward_model_with_another_tokenizer_scores_the_same_tokens(workdir, tmp
     log = tmp_path / "calls"
     flags = ["--sft-model-path", "policy_eos", "--stop-token", "eos", *SHORT, "--response-length", "16"]
     launch(workdir, tmp_path / "same", *flags, "--reward-model-path", "reward")
-    launch(workdir, tmp_path / "other", *flags, "--reward-model-path", "reward_other_tokenizer",
-           "--reward-fn", "test_rewards:vowels", "--reward-weights", "1", "0", env={"RLOO_TEST_LOG": str(log)})  # fmt: skip
+    launch(
+        workdir,
+        tmp_path / "other",
+        *flags,
+        "--reward-model-path",
+        "reward_other_tokenizer",
+        "--reward-fn",
+        "test_rewards:vowels",
+        "--reward-weights",
+        "1",
+        "0",
+        env={"RLOO_TEST_LOG": str(log)},
+    )
     same, other = read_metrics(tmp_path / "same")[0], read_metrics(tmp_path / "other")[0]
     assert 0 < same["val/num_eos_tokens"] < 8  # some completions stopped, some ran to the end
     assert other["objective/scores"] == pytest.approx(same["objective/scores"], rel=1e-5, abs=1e-6)
@@ -1204,10 +1421,23 @@ def test_reward_model_with_another_tokenizer_scores_the_same_tokens(workdir, tmp
 @slow
 def test_encoder_reward_model_scores_with_its_own_special_tokens(workdir, tmp_path):
     log = tmp_path / "calls"
-    launch(workdir, tmp_path / "out", "--reward-model-path", "reward_bert", "--reward-fn", "test_rewards:vowels",
-           "--reward-weights", "2", "0", *SHORT, env={"RLOO_TEST_LOG": str(log)})  # fmt: skip
+    launch(
+        workdir,
+        tmp_path / "out",
+        "--reward-model-path",
+        "reward_bert",
+        "--reward-fn",
+        "test_rewards:vowels",
+        "--reward-weights",
+        "2",
+        "0",
+        *SHORT,
+        env={"RLOO_TEST_LOG": str(log)},
+    )
     call, first = read_calls(log, "vowels")[0], read_metrics(tmp_path / "out")[0]
-    expected = statistics.mean(reward_model_scores(workdir / "reward_bert", [p + c for p, c in zip(call["prompts"], call["completions"])]))
+    expected = statistics.mean(
+        reward_model_scores(workdir / "reward_bert", [p + c for p, c in zip(call["prompts"], call["completions"])])
+    )
     assert first["rewards/reward_model"] == pytest.approx(expected, rel=1e-5, abs=1e-6)
     assert first["objective/scores"] == pytest.approx(2 * expected, rel=1e-5, abs=1e-6)
 
@@ -1254,7 +1484,9 @@ def test_evaluation_is_on_schedule_and_leaves_training_alone(workdir, tmp_path):
     model, tokenizer = AutoModelForCausalLM.from_pretrained(tmp_path / "greedy").eval(), rloo.toy_tokenizer()
     records = [json.loads(line) for line in (tmp_path / "greedy" / "eval_completions.jsonl").read_text().splitlines()]
     for record in records[6:]:
-        expected = tokenizer.decode(greedy(model, tokenizer(record["prompt"])["input_ids"], 8), skip_special_tokens=True)
+        expected = tokenizer.decode(
+            greedy(model, tokenizer(record["prompt"])["input_ids"], 8), skip_special_tokens=True
+        )
         assert record["completion"] == expected
 
 
@@ -1262,8 +1494,22 @@ def test_evaluation_is_on_schedule_and_leaves_training_alone(workdir, tmp_path):
 # 16. LoRA: adapters train, the frozen base is the reference
 
 
-LORA_FLAGS = [*SHORT, "--sft-model-path", "policy", "--learning-rate", "1e-2", "--use-peft", "--lora-r", "4",
-              "--num-ppo-epochs", "1", "--save-steps", "2", "--reward-fn", "test_rewards:vowels"]  # fmt: skip
+LORA_FLAGS = [
+    *SHORT,
+    "--sft-model-path",
+    "policy",
+    "--learning-rate",
+    "1e-2",
+    "--use-peft",
+    "--lora-r",
+    "4",
+    "--num-ppo-epochs",
+    "1",
+    "--save-steps",
+    "2",
+    "--reward-fn",
+    "test_rewards:vowels",
+]
 
 
 @slow
@@ -1281,8 +1527,11 @@ def test_lora_trains_adapters_and_saves_them(workdir, tmp_path):
     trained = load_weights(out / "checkpoint-4")
     lora = {name: tensor for name, tensor in trained.items() if "lora_" in name}
     assert lora and any(tensor.abs().sum() > 0 for name, tensor in lora.items() if "lora_B" in name)
-    frozen = {name.replace("base_model.model.", "").replace(".base_layer", ""): tensor
-              for name, tensor in trained.items() if "lora_" not in name}  # fmt: skip
+    frozen = {
+        name.replace("base_model.model.", "").replace(".base_layer", ""): tensor
+        for name, tensor in trained.items()
+        if "lora_" not in name
+    }
     assert frozen.keys() == base.state_dict().keys()
     assert all(torch.equal(tensor, base.state_dict()[name]) for name, tensor in frozen.items())
     # the saved adapter, on the base, computes what the merged model does, and not what the base does
@@ -1292,7 +1541,10 @@ def test_lora_trains_adapters_and_saves_them(workdir, tmp_path):
     with torch.no_grad():
         assert_close(adapter(ids).logits, merged(ids).logits, rtol=1e-5, atol=1e-5)
         assert not torch.allclose(adapter(ids).logits, base(ids).logits, atol=1e-4)
-    saved = {name.replace(".weight", ".default.weight"): t for name, t in load_weights_file(out / "adapter_model.safetensors").items()}
+    saved = {
+        name.replace(".weight", ".default.weight"): t
+        for name, t in load_weights_file(out / "adapter_model.safetensors").items()
+    }
     assert saved.keys() == lora.keys() and all(torch.equal(saved[name], lora[name]) for name in lora)
 
 
@@ -1332,8 +1584,21 @@ def test_lora_flags_are_checked(workdir, tmp_path):
 def test_bf16_checkpoint_trains_float32_master_weights(workdir, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    proc = launch(workdir, tmp_path / "out", "--sft-model-path", "llama_bf16", "--learning-rate", "1e-5", "--num-ppo-epochs",
-           "1", "--stop-token", "eos", "--cpu-threads", "1", *SHORT)  # fmt: skip
+    proc = launch(
+        workdir,
+        tmp_path / "out",
+        "--sft-model-path",
+        "llama_bf16",
+        "--learning-rate",
+        "1e-5",
+        "--num-ppo-epochs",
+        "1",
+        "--stop-token",
+        "eos",
+        "--cpu-threads",
+        "1",
+        *SHORT,
+    )
     assert "1 CPU threads each" in proc.stdout
     first = read_metrics(tmp_path / "out")[0]
     assert first["objective/kl"] == 0.0 and first["val/ratio"] == 1.0  # the reference computes what the policy does
@@ -1391,13 +1656,30 @@ if os.environ.get("RLOO_TEST_COUNT") and "RANK" in os.environ:  # the ranks, not
         return leave(self, *exc)
 
     GatheredParameters.__enter__, GatheredParameters.__exit__ = gathered, released
-    atexit.register(lambda: open(os.environ["RLOO_TEST_COUNT"] + "." + os.environ["RANK"], "w").write(json.dumps(events)))
+    path = os.environ["RLOO_TEST_COUNT"] + "." + os.environ["RANK"]
+    atexit.register(lambda: open(path, "w").write(json.dumps(events)))
 """
 # matrices of 256 x 1024 elements, above DeepSpeed's stage3_param_persistence_threshold of 1e5: ZeRO-3 shards them
 # and gathers them for each use; completions stop at random steps, so ranks sample different numbers of tokens
-SCALE_FLAGS = ["--sft-model-path", "policy_wide", "--reward-model-path", "reward", "--learning-rate", "1e-4",
-               "--rloo-k", "2", "--stop-token", "eos", *SHORT, "--response-length", "16", "--eval-steps", "1",
-               "--num-eval-prompts", "5"]  # fmt: skip
+SCALE_FLAGS = [
+    "--sft-model-path",
+    "policy_wide",
+    "--reward-model-path",
+    "reward",
+    "--learning-rate",
+    "1e-4",
+    "--rloo-k",
+    "2",
+    "--stop-token",
+    "eos",
+    *SHORT,
+    "--response-length",
+    "16",
+    "--eval-steps",
+    "1",
+    "--num-eval-prompts",
+    "5",
+]
 
 
 @pytest.fixture(scope="session")
@@ -1408,9 +1690,17 @@ def scale_runs(workdir):
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
     tokenizer = rloo.toy_tokenizer()
-    config = GPTNeoXConfig(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=1024, num_hidden_layers=2,
-                           num_attention_heads=4, max_position_embeddings=512, pad_token_id=tokenizer.pad_token_id,
-                           eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id)  # fmt: skip
+    config = GPTNeoXConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=512,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.eos_token_id,
+    )
     torch.manual_seed(5)
     wide = eos_likely(GPTNeoXForCausalLM(config), tokenizer, p=0.35)
     assert max(p.numel() for p in wide.parameters()) == 256 * 1024 > 1e5
@@ -1419,14 +1709,21 @@ def scale_runs(workdir):
     (workdir / "counting").mkdir(exist_ok=True)
     (workdir / "counting" / "sitecustomize.py").write_text(COUNTING)
     outputs, procs = {}, {}
-    runs = [("zero3", "zero3", ["--gradient-checkpointing"]), ("zero3_sharded", "zero3", ["--no-ds3-gather-for-generation"]),
-            ("ddp", "ddp", []), ("multi_gpu", "multi_gpu", []), ("zero3_lora", "zero3", ["--use-peft"]),
-            ("ddp_lora", "ddp", ["--use-peft"])]  # fmt: skip
+    runs = [
+        ("zero3", "zero3", ["--gradient-checkpointing"]),
+        ("zero3_sharded", "zero3", ["--no-ds3-gather-for-generation"]),
+        ("ddp", "ddp", []),
+        ("multi_gpu", "multi_gpu", []),
+        ("zero3_lora", "zero3", ["--use-peft"]),
+        ("ddp_lora", "ddp", ["--use-peft"]),
+    ]
     for name, backend, extra in runs:
         outputs[name] = workdir / f"scale_{name}"
         env = {"RLOO_TEST_COUNT": str(workdir / f"events_{name}"), "PYTHONWARNINGS": "default"}
         pythonpath = f"{workdir / 'counting'}{os.pathsep}{workdir}"
-        procs[name] = launch(workdir, outputs[name], *SCALE_FLAGS, *extra, backend=backend, env=env, pythonpath=pythonpath)
+        procs[name] = launch(
+            workdir, outputs[name], *SCALE_FLAGS, *extra, backend=backend, env=env, pythonpath=pythonpath
+        )
     return outputs, procs
 
 
@@ -1449,8 +1746,15 @@ def test_two_process_runs_write_every_metric(scale_runs, name):
 def test_zero3_and_plain_launches_compute_what_ddp_computes(scale_runs, name):
     first, ddp = read_metrics(scale_runs[0][name])[0], read_metrics(scale_runs[0]["ddp"])[0]
     assert ddp["val/num_eos_tokens"] > 0  # completions stopped at different steps
-    for key in ["objective/scores", "objective/kl", "objective/entropy", "loss/policy_avg", "val/ratio",
-                "policy/clipfrac_avg", "policy/entropy_avg"]:  # fmt: skip
+    for key in [
+        "objective/scores",
+        "objective/kl",
+        "objective/entropy",
+        "loss/policy_avg",
+        "val/ratio",
+        "policy/clipfrac_avg",
+        "policy/entropy_avg",
+    ]:
         assert first[key] == pytest.approx(ddp[key], rel=1e-4, abs=1e-5), key
 
 
@@ -1656,15 +1960,38 @@ def test_generate_survives_a_diverged_policy():
             output.logits, output.cache = torch.full((len(input_ids), 1, 5), math.nan), None
             return output
 
-    tokens = rloo.generate(Diverged(), torch.ones(3, 2, dtype=torch.long), torch.ones(3, 2, dtype=torch.long), 4, 0.7,
-                           None, 0, synced=False)  # fmt: skip
+    tokens = rloo.generate(
+        Diverged(),
+        torch.ones(3, 2, dtype=torch.long),
+        torch.ones(3, 2, dtype=torch.long),
+        4,
+        0.7,
+        None,
+        0,
+        synced=False,
+    )
     assert tokens.shape == (3, 4) and ((0 <= tokens) & (tokens < 5)).all()
 
 
 # 6 updates, a checkpoint every 2, and an evaluation every 2 (on 4 prompts), which must keep its schedule on resume
-RESUME_FLAGS = ["--reward-fn", "test_rewards:vowels", "--response-length", "8", "--total-episodes", "48",
-                "--per-device-train-batch-size", "8", "--num-sample-generations", "0", "--save-steps", "2",
-                "--eval-steps", "2", "--num-eval-prompts", "4"]  # fmt: skip
+RESUME_FLAGS = [
+    "--reward-fn",
+    "test_rewards:vowels",
+    "--response-length",
+    "8",
+    "--total-episodes",
+    "48",
+    "--per-device-train-batch-size",
+    "8",
+    "--num-sample-generations",
+    "0",
+    "--save-steps",
+    "2",
+    "--eval-steps",
+    "2",
+    "--num-eval-prompts",
+    "4",
+]
 
 
 @pytest.fixture(scope="session")
@@ -1744,8 +2071,9 @@ def test_preempted_run_resumes_bitwise(workdir, full_run, tmp_path):
         f.write('{"update": 4, "epis')
     # the disk fills up: files may not grow past 100 kB, so checkpoint-4 cannot be written
     limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))  # noqa: E731
-    proc = launch(workdir, tmp_path / "cut", *RESUME_FLAGS, "--resume-from-checkpoint", "latest", check=False,
-                  preexec_fn=limit)  # fmt: skip
+    proc = launch(
+        workdir, tmp_path / "cut", *RESUME_FLAGS, "--resume-from-checkpoint", "latest", check=False, preexec_fn=limit
+    )
     message = one_line_error(proc)
     assert "cannot write" in message and "checkpoint-4.tmp" in message and "free" in message
     assert not (tmp_path / "cut" / "checkpoint-4.tmp").exists()
@@ -1761,8 +2089,15 @@ def test_resuming_an_older_checkpoint_abandons_the_newer_ones(workdir, full_run,
     out = copy_run(full_run, tmp_path, "out")
     # a new lineage from checkpoint-2 (another KL coefficient), preempted during update 4: it writes checkpoint-4
     flags = [*RESUME_FLAGS, "--kl-coef", "0.5", "--save-total-limit", "2"]
-    proc = launch(workdir, out, *flags, "--resume-from-checkpoint", str(out / "checkpoint-2"),
-                  env={"RLOO_TEST_KILL_AT": "3"}, check=False)  # fmt: skip
+    proc = launch(
+        workdir,
+        out,
+        *flags,
+        "--resume-from-checkpoint",
+        str(out / "checkpoint-2"),
+        env={"RLOO_TEST_KILL_AT": "3"},
+        check=False,
+    )
     assert proc.returncode != 0 and "abandons" in proc.stderr
     (aside,) = out.glob("abandoned-*")
     assert sorted(p.name for p in aside.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-6"]
@@ -1785,8 +2120,14 @@ def test_resuming_into_another_directory(workdir, full_run, tmp_path, monkeypatc
     other = tmp_path / "other"
     other.mkdir()
     (other / "metrics.jsonl").write_text('{"update": 1}\n')  # another run's
-    message = run_main(tmp_path, output_dir=str(other), resume_from_checkpoint=str(full_run / "checkpoint-4"),
-                       reward_fn=["test_rewards:vowels"], response_length=8, total_episodes=48)  # fmt: skip
+    message = run_main(
+        tmp_path,
+        output_dir=str(other),
+        resume_from_checkpoint=str(full_run / "checkpoint-4"),
+        reward_fn=["test_rewards:vowels"],
+        response_length=8,
+        total_episodes=48,
+    )
     assert "belongs to another run" in message and (other / "metrics.jsonl").read_text() == '{"update": 1}\n'
     # into an empty directory it continues that run, with its metrics so far
     launch(workdir, tmp_path / "empty", *RESUME_FLAGS, "--resume-from-checkpoint", str(full_run / "checkpoint-4"))
@@ -1827,8 +2168,18 @@ def test_a_failing_reward_function_stops_with_a_checkpoint(workdir, full_run, tm
 @slow
 @pytest.mark.parametrize("value", ["nan", "inf"])
 def test_non_finite_rewards_trip_the_guard(workdir, tmp_path, value):
-    flags = ["--reward-fn", "test_rewards:vowels", "--response-length", "8", "--total-episodes", "80",
-             "--num-sample-generations", "0", "--save-steps", "1"]  # fmt: skip
+    flags = [
+        "--reward-fn",
+        "test_rewards:vowels",
+        "--response-length",
+        "8",
+        "--total-episodes",
+        "80",
+        "--num-sample-generations",
+        "0",
+        "--save-steps",
+        "1",
+    ]
     env = {"RLOO_TEST_NAN_FROM": "4", "RLOO_TEST_NAN_VALUE": value}
     message = one_line_error(launch(workdir, tmp_path / "out", *flags, env=env, check=False))
     assert "non-finite scores" in message
@@ -1864,10 +2215,18 @@ def test_signals_and_the_lock(workdir, tmp_path):
     slow_env = subprocess_env(pythonpath=workdir, RLOO_TEST_SLEEP=str(tmp_path / "slow"))
     command = [sys.executable, RLOO_PY, *RESUME_FLAGS, "--save-steps", "1", "--output-dir"]
     calls = lambda: len((tmp_path / "slow.calls").read_text()) if (tmp_path / "slow.calls").exists() else 0  # noqa: E731
-    first = subprocess.Popen([*command, str(tmp_path / "out")], cwd=workdir, env=slow_env, stderr=subprocess.PIPE, text=True)
+    first = subprocess.Popen(
+        [*command, str(tmp_path / "out")], cwd=workdir, env=slow_env, stderr=subprocess.PIPE, text=True
+    )
     wait_for(lambda: calls() >= 3)  # the start-up check, update 1, and now update 2
-    second = subprocess.run([*command, str(tmp_path / "out"), "--resume-from-checkpoint", "latest"], cwd=workdir,
-                            env=subprocess_env(pythonpath=workdir), capture_output=True, text=True, timeout=120)  # fmt: skip
+    second = subprocess.run(
+        [*command, str(tmp_path / "out"), "--resume-from-checkpoint", "latest"],
+        cwd=workdir,
+        env=subprocess_env(pythonpath=workdir),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert f"another run (pid {first.pid}" in one_line_error(second)
     first.send_signal(signal.SIGTERM)
     assert first.wait(timeout=120) == 143
@@ -1877,7 +2236,9 @@ def test_signals_and_the_lock(workdir, tmp_path):
     assert [m["update"] for m in read_metrics(tmp_path / "out")] == [1, 2, 3, 4, 5, 6]
     # two Ctrl-C's: the second one does not wait for the update to end
     (tmp_path / "slow.calls").unlink()
-    third = subprocess.Popen([*command, str(tmp_path / "twice")], cwd=workdir, env=slow_env, stderr=subprocess.PIPE, text=True)
+    third = subprocess.Popen(
+        [*command, str(tmp_path / "twice")], cwd=workdir, env=slow_env, stderr=subprocess.PIPE, text=True
+    )
     wait_for(lambda: calls() >= 2)  # in update 1, whose reward takes a second
     third.send_signal(signal.SIGINT)
     time.sleep(0.2)
@@ -1889,11 +2250,27 @@ def test_signals_and_the_lock(workdir, tmp_path):
 @slow
 def test_ctrl_c_under_accelerate_launch(workdir, tmp_path):
     calls = lambda: len((tmp_path / "slow.calls").read_text()) if (tmp_path / "slow.calls").exists() else 0  # noqa: E731
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1",
-               "--mixed_precision", "no", "--dynamo_backend", "no", RLOO_PY, *RESUME_FLAGS, "--output-dir",
-               str(tmp_path / "out")]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--num_processes",
+        "1",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        RLOO_PY,
+        *RESUME_FLAGS,
+        "--output-dir",
+        str(tmp_path / "out"),
+    ]
     env = subprocess_env(pythonpath=workdir, RLOO_TEST_SLEEP=str(tmp_path / "slow"))
-    launcher = subprocess.Popen(command, cwd=workdir, env=env, start_new_session=True, stderr=subprocess.PIPE, text=True)
+    launcher = subprocess.Popen(
+        command, cwd=workdir, env=env, start_new_session=True, stderr=subprocess.PIPE, text=True
+    )
     wait_for(lambda: calls() >= 3)
     os.killpg(launcher.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole process group
     assert launcher.wait(timeout=120) != 0
