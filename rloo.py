@@ -35,6 +35,7 @@ import json
 import math
 import os
 import random
+import re
 import resource
 import shutil
 import signal
@@ -200,8 +201,6 @@ class Args:
     num_mini_batches"""
     batch_size: Suppress[int] = 0
     """completions per update, over every process"""
-    local_mini_batch_size: Suppress[int] = 0
-    """completions per optimizer step on each process"""
     local_dataloader_batch_size: Suppress[int] = 0
     """prompts per update on each process (B): local_batch_size / rloo_k"""
     num_total_batches: Suppress[int] = 0
@@ -241,6 +240,13 @@ def truncate_response(responses, stop_token_id, pad_token_id):
         lengths = torch.clamp(first_true_indices(responses == stop_token_id) + 1, max=T)
     response_mask = torch.arange(T, device=responses.device)[None, :] < lengths[:, None]
     return torch.where(response_mask, responses, pad_token_id), response_mask
+
+
+def has_stop_token(responses, response_mask, stop_token_id):
+    """(N,) whether each completion produced the stop token (all False without one)."""
+    if stop_token_id is None:
+        return torch.zeros(len(responses), dtype=torch.bool, device=responses.device)
+    return ((responses == stop_token_id) & response_mask).any(1)
 
 
 def all_reduce_sum(tensor):
@@ -460,13 +466,9 @@ def score_completions(run, rows, query_responses, attention_mask, context_length
     args, device = run.args, query_responses.device
     responses = query_responses[:, context_length:]
     prompts = [row[args.dataset_text_field] for row in rows]  # one row per completion
-    columns = {name: [row[name] for row in rows] for name in rows[0] if name != args.dataset_text_field}
+    columns = {name: [row.get(name) for row in rows] for name in rows[0] if name != args.dataset_text_field}
     completions = run.tokenizer.batch_decode(responses, skip_special_tokens=True)
-    stopped = (
-        [False] * len(completions)
-        if args.stop_token_id is None
-        else ((responses == args.stop_token_id) & response_mask).any(1).tolist()
-    )
+    stopped = has_stop_token(responses, response_mask, args.stop_token_id).tolist()
     rewards = {}
     for source in run.reward_sources:
         if source.fn is not None:
@@ -670,12 +672,13 @@ def train(run):
 
         # ---- 5. missing-EOS penalty: completions that never produced the stop token lose missing_eos_penalty
         if args.missing_eos_penalty is not None:  # validate_args made sure a stop token is set
-            contains_stop = ((responses == args.stop_token_id) & response_mask).any(1)
-            scores = scores - args.missing_eos_penalty * (~contains_stop).float()
+            missing_stop = ~has_stop_token(responses, response_mask, args.stop_token_id)  # (k*B,)
+            scores = scores - args.missing_eos_penalty * missing_stop.float()
         raw_scores = scores  # what objective/scores logs: before normalization and clipping
         # ---- 6. normalize (optional, over the global batch) and always clip to [-c, c]
         if args.normalize_reward:
             scores = whiten(scores)
+        clipped = (scores.abs() > args.reward_clip_range).sum()  # objective/scores_clipped_frac
         scores = scores.clamp(-args.reward_clip_range, args.reward_clip_range)
 
         # ---- 7. KL to the reference, per token, and 8. the leave-one-out advantages
@@ -694,7 +697,8 @@ def train(run):
                 advantages = whiten(advantages)
 
         # ---- non-finite guard: a NaN or inf anywhere in the rollout (a score, a log-prob) skips this update
-        finite = rollout_is_finite(run, update, raw_scores, advantages, old_logprobs[response_mask])
+        logprobs = torch.cat([old_logprobs[response_mask], ref_logprobs[response_mask]])
+        finite = rollout_is_finite(run, update, raw_scores, advantages, logprobs)
 
         # ---- 9. the update: num_ppo_epochs passes, each over num_mini_batches shuffled mini-batches of
         # gradient_accumulation_steps micro-batches, one optimizer step per mini-batch
@@ -703,12 +707,12 @@ def train(run):
         for _ in range(args.num_ppo_epochs if finite else 0):  # no epochs at all when the guard skips the update
             permutation = torch.randperm(args.local_batch_size, device=device)
             for start in range(0, args.local_batch_size, micro):  # micro-batches; mini-batches are consecutive runs
-                rows = permutation[start : start + micro]  # one micro-batch
-                inputs = (query_responses[rows], attention_mask[rows], context_length, args.temperature)
-                old, mask = old_logprobs[rows], response_mask[rows]
+                micro_batch = permutation[start : start + micro]
+                inputs = (query_responses[micro_batch], attention_mask[micro_batch], context_length, args.temperature)
+                old, mask = old_logprobs[micro_batch], response_mask[micro_batch]
                 with accelerator.accumulate(policy):
                     new_logprobs, entropy = forward_logprobs(policy, *inputs, with_entropy=True)
-                    loss, clipfrac = policy_loss(new_logprobs, old, advantages[rows], mask, args.cliprange)
+                    loss, clipfrac = policy_loss(new_logprobs, old, advantages[micro_batch], mask, args.cliprange)
                     accelerator.backward(loss)  # under DeepSpeed this also clips and steps at the boundary
                     run.skipped_steps += optimizer_step(run)  # at the mini-batch's last micro-batch only
                 add_stats(stats, loss, clipfrac, new_logprobs, old, entropy, mask, args.token_level_kl)
@@ -717,7 +721,9 @@ def train(run):
         t3 = now()
 
         # ---- 10. metrics (TRL's names), over real response tokens only, summed over every rank in one all-reduce
-        sums = rollout_sums(run, responses, response_mask, old_logprobs, sequence_kl, raw_scores, scores)
+        sums = rollout_sums(run, responses, response_mask, old_logprobs, sequence_kl, raw_scores, scores) | {
+            "clipped": clipped
+        }
         sums |= {f"rewards/{name}": values.sum() for name, values in source_rewards.items()}  # before weighting
         metrics, stopping = update_metrics(run, update, stats | sums, lr, (t0, t1, t2, t3))
         log_update(run, update, metrics, query_responses[:4, :context_length], responses[:4], raw_scores[:4])
@@ -754,6 +760,8 @@ class Run:
     consecutive_skips: int = 0
     problem: Optional[str] = None  # what the non-finite guard found last: "scores" or "log-probs"
     reward_error: Optional[str] = None  # a reward function's failure in this update
+    write_error: Optional[str] = None  # the main process could not append to a file of the output directory
+    last_saved: int = 0  # the update of the newest checkpoint this run wrote or resumed from
     rng_at_update_start: Any = None  # every generator's state as the update began
     warned_clipping: bool = False
     stop_signals: list = field(default_factory=list)  # SIGTERM / SIGINT received
@@ -783,13 +791,18 @@ def setup(args):
     args = resolve_args(args, world_size, tokenizer, len(prompts), saved, dropped)
     if saved is not None:
         check_checkpoint_args(args, saved, resume_dir)
-    check_context_length(args, policy_config, max(len(ids) for ids in prompts))
-    sources = [load_reward_fn(spec, rows[:2], args.dataset_text_field) for spec in args.reward_fn or []]
+    evaluation = load_eval_prompts(args, tokenizer) if args.eval_steps else ([], [])  # prompts, rows
+    check_context_length(args, policy_config, max(len(ids) for ids in prompts + evaluation[0]))
+    sources = [
+        load_reward_fn(spec, rows[:2] + evaluation[1][:2], args.dataset_text_field) for spec in args.reward_fn or []
+    ]
     if not sources and not args.reward_model_path:  # the toy task's reward
         toy = functools.partial(toy_reward, response_length=args.response_length)
         sources = [RewardSource("toy_reward", "the toy reward", fn=toy)]
-    evaluation = load_eval_prompts(args, tokenizer) if args.eval_steps else ([], [])  # prompts, rows
-    prepare_output_dir(args, resume_dir, saved)  # the first write: everything before it only reads and checks
+    names = ["reward_model"] * bool(args.reward_model_path) + [source.name for source in sources]
+    if len(set(names)) < len(names):  # each source's rewards and metrics go by its name
+        raise ArgumentError(f"--reward-fn: two reward sources share a name ({', '.join(names)}); rename a function")
+    prepare_output_dir(args, resume_dir)  # the lock: everything before it only reads and checks
     if not torch.cuda.is_available():
         torch.set_num_threads(args.cpu_threads)
     policy, ref_policy, reward_model = load_models(args, tokenizer, rows)
@@ -807,6 +820,7 @@ def setup(args):
     if args.report_to != "none":
         accelerator.init_trackers(args.exp_name, config=asdict(args))
     resume_or_seed(run, resume_dir, saved)
+    start_lineage(run, resume_dir)  # the first write into the output directory
     for signum in (signal.SIGTERM, signal.SIGINT):  # preemption: finish the update, checkpoint, exit
         signal.signal(signum, functools.partial(on_stop_signal, run))
     return run
@@ -897,7 +911,6 @@ def resolve_args(args, world_size, tokenizer, num_prompts, saved=None, dropped=0
         world_size=world_size,
         local_batch_size=local_batch_size,
         batch_size=local_batch_size * world_size,
-        local_mini_batch_size=local_batch_size // args.num_mini_batches,
         local_dataloader_batch_size=local_batch_size // args.rloo_k,
     )
     args = replace(args, num_total_batches=math.ceil(args.total_episodes / args.batch_size))
@@ -925,14 +938,15 @@ def load_reward_fn(spec, rows, text_field):
     """Import `module:function` and try it once on two prompts (with their columns), so that a broken function
     fails before any model is loaded. The module is looked up on sys.path and in the current directory."""
     module_name, _, function_name = spec.partition(":")
-    sys.path.insert(0, os.getcwd())
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
     try:
         fn = getattr(importlib.import_module(module_name), function_name)
-    except (ImportError, AttributeError, ValueError) as error:
+    except Exception as error:  # not found, or the module itself failed (a SyntaxError, an error at import)
         raise ArgumentError(f"--reward-fn {spec}: cannot import it ({error}); give module:function") from None
     source = RewardSource(function_name, f"--reward-fn {spec}", fn=fn)
     prompts = [row[text_field] for row in rows]
-    columns = {name: [row[name] for row in rows] for name in rows[0] if name != text_field}
+    columns = {name: [row.get(name) for row in rows] for name in rows[0] if name != text_field}
     try:
         scores = call_reward_fn(source, prompts, ["hello", ""][: len(rows)], columns)
     except RewardError as error:
@@ -1283,50 +1297,61 @@ def prepare_frozen(model, accelerator):
     return engine
 
 
-def prepare_output_dir(args, resume_dir, saved):
+def prepare_output_dir(args, resume_dir):
     """Before anything is written: --output-dir is a writable directory that no other live run is writing (a lock
-    holds the pid), and everything in it belongs to this run's lineage. A new run does not overwrite another one
-    (unless --overwrite-output-dir). Resuming from checkpoint N abandons whatever was written after N, moved aside
-    into `abandoned-<time>/`. Resuming from another directory's checkpoint needs an empty --output-dir."""
-    out, is_main = args.output_dir, main_rank()  # the main process checks and writes
+    holds the pid), a new run does not overwrite another one (unless --overwrite-output-dir), and resuming from
+    another directory's checkpoint needs an empty --output-dir. start_lineage writes, once the models loaded."""
+    out = args.output_dir
     if os.path.isfile(out):
         raise ArgumentError(f"--output-dir {out} is a file, not a directory; choose another --output-dir")
-    holds_run = os.path.exists(os.path.join(out, "metrics.jsonl")) or bool(glob.glob(os.path.join(out, "checkpoint-*")))
+    holds_run = bool(checkpoint_dirs(out)) or bool(read_metrics_lines(os.path.join(out, "metrics.jsonl")))
     own = resume_dir is not None and os.path.realpath(os.path.dirname(resume_dir)) == os.path.realpath(out)
-    if is_main and holds_run and resume_dir is None and not args.overwrite_output_dir:
+    if main_rank() and holds_run and resume_dir is None and not args.overwrite_output_dir:
         raise ArgumentError(
             f"--output-dir {out} already holds a run; continue it with --resume-from-checkpoint "
             "latest, start over with --overwrite-output-dir, or choose another --output-dir"
         )
-    if is_main and holds_run and resume_dir is not None and not own:
+    if main_rank() and holds_run and resume_dir is not None and not own:
         raise ArgumentError(
             f"--resume-from-checkpoint {resume_dir} belongs to another run, and --output-dir {out} "
             "already holds one; resume into an empty --output-dir, or from a checkpoint of its own"
         )
     try:
         os.makedirs(out, exist_ok=True)
-        probe = os.path.join(out, f".write_test.{os.getpid()}")  # one per process: ranks run this at once
+        probe = os.path.join(out, f".write_test.{socket.gethostname()}.{os.getpid()}")  # every process, at once
         open(probe, "w").close()
         os.remove(probe)
     except OSError as error:
         raise ArgumentError(f"--output-dir {out}: cannot write there ({error.strerror})") from None
-    if not is_main:
-        return
-    take_lock(out)
-    update = saved["update"] if saved else 0
-    metrics = read_metrics_lines(os.path.join(os.path.dirname(resume_dir) if resume_dir else out, "metrics.jsonl"))
-    if resume_dir is None and holds_run:  # --overwrite-output-dir
-        for path in glob.glob(os.path.join(out, "checkpoint-*")) + [os.path.join(out, "eval_completions.jsonl")]:
-            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path) if os.path.exists(path) else None
-        metrics = []
-    elif own:
-        abandon_after(out, update, metrics)
-    with open(os.path.join(out, "metrics.jsonl"), "w") as f:  # the updates the checkpoint holds, no more
-        f.writelines(json.dumps(m) + "\n" for m in metrics if m["update"] <= update)
+    if main_rank():
+        take_lock(out)
 
 
-def abandon_after(out, update, metrics):
-    """Move what a run wrote after checkpoint `update` (newer checkpoints, their metrics, a final model) aside."""
+def start_lineage(run, resume_dir):
+    """The output directory as this run's lineage, once the checkpoint loaded (main process; then every rank
+    waits). Resuming from checkpoint N abandons whatever was written after N: moved aside into `abandoned-<time>/`,
+    not deleted. --overwrite-output-dir deletes another run's metrics, evaluations and checkpoints."""
+    out, update = run.args.output_dir, run.start_update
+    if run.accelerator.is_main_process:
+        source = os.path.dirname(resume_dir) if resume_dir else out  # another directory's: its metrics so far
+        metrics = read_metrics_lines(os.path.join(source, "metrics.jsonl")) if resume_dir else []
+        evaluations = read_metrics_lines(os.path.join(source, "eval_completions.jsonl")) if resume_dir else []
+        if resume_dir is None:  # a new run: what is there belongs to a run it overwrites
+            for path in glob.glob(os.path.join(out, "checkpoint-*")):
+                shutil.rmtree(path)
+        elif source == out or os.path.realpath(source) == os.path.realpath(out):
+            abandon_after(out, update, metrics, evaluations)
+        for name, records in [("metrics.jsonl", metrics), ("eval_completions.jsonl", evaluations)]:
+            path = os.path.join(out, name)
+            with open(path + ".tmp", "w") as f:  # the updates the checkpoint holds, no more; replaced whole
+                f.writelines(json.dumps(r) + "\n" for r in records if r["update"] <= update)
+            os.replace(path + ".tmp", path)
+    run.accelerator.wait_for_everyone()
+
+
+def abandon_after(out, update, metrics, evaluations):
+    """Move what a run wrote after checkpoint `update` (newer checkpoints, their metrics and evaluations, a final
+    model) aside."""
     later = [d for d in checkpoint_dirs(out) if checkpoint_number(d) > update]
     final = [p for p in glob.glob(os.path.join(out, "*")) if os.path.basename(p) in FINAL_MODEL_FILES]
     later_metrics = [m for m in metrics if m["update"] > update]
@@ -1336,9 +1361,10 @@ def abandon_after(out, update, metrics):
     os.makedirs(aside)
     for path in later + final:
         shutil.move(path, aside)
-    with open(os.path.join(aside, "metrics.jsonl"), "w") as f:
-        f.writelines(json.dumps(m) + "\n" for m in later_metrics)
-    names = ", ".join(sorted((os.path.basename(p) for p in later), key=checkpoint_number)) or "no checkpoint"
+    for name, records in [("metrics.jsonl", later_metrics), ("eval_completions.jsonl", evaluations)]:
+        with open(os.path.join(aside, name), "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in records if r["update"] > update)
+    names = ", ".join(os.path.basename(p) for p in later) or "no checkpoint"
     print(
         f"rloo.py: resuming from checkpoint-{update} abandons what was written after it ({names}, "
         f"{len(later_metrics)} metrics lines{', the final model' if final else ''}): moved to {aside}",
@@ -1381,7 +1407,8 @@ def take_lock(out, take=True):
     path, me = os.path.join(out, ".lock"), f"{socket.gethostname()} {os.getpid()}"
     if os.path.exists(path):
         host, _, pid = read_text(path).partition(" ")
-        if host != socket.gethostname() or process_alive(int(pid or 0)):
+        pid = int(pid) if pid.isdigit() else 0
+        if host != socket.gethostname() or (pid != os.getpid() and process_alive(pid)):
             raise ArgumentError(
                 f"--output-dir {out}: another run (pid {pid} on {host}) is writing it; wait for it "
                 f"to end, or stop it (if it is gone, delete {path})"
@@ -1423,8 +1450,10 @@ def find_checkpoint(args, world_size):
     """The checkpoint to resume from and its trainer_state.json. `latest` is the newest intact one (a damaged one
     is skipped with a warning); a checkpoint named explicitly must be intact."""
     resume_dir = args.resume_from_checkpoint
+    if resume_dir == "latest" and not args.output_dir:
+        raise ArgumentError("--resume-from-checkpoint latest looks in --output-dir: give --output-dir")
     if resume_dir == "latest":
-        for resume_dir in reversed(checkpoint_dirs(args.output_dir) if args.output_dir else []):
+        for resume_dir in reversed(checkpoint_dirs(args.output_dir)):
             saved, problem = read_checkpoint(resume_dir)
             if problem is None:
                 break
@@ -1436,6 +1465,7 @@ def find_checkpoint(args, world_size):
                 "over with --overwrite-output-dir"
             )
     else:
+        resume_dir = os.path.normpath(resume_dir)  # a trailing slash must not make it another directory's
         if not os.path.exists(os.path.join(resume_dir, "trainer_state.json")):
             raise ArgumentError(f"--resume-from-checkpoint {resume_dir}: not a checkpoint directory written by rloo.py")
         saved, problem = read_checkpoint(resume_dir)
@@ -1458,6 +1488,7 @@ def read_checkpoint(path):
         with open(os.path.join(path, "trainer_state.json")) as f:
             saved = json.load(f)
         files, world_size = saved["files"], saved["world_size"]
+        [saved[key] for key in ("update", "args", "score_history", "elapsed", "skipped_steps", "consecutive_skips")]
     except (OSError, ValueError, KeyError, TypeError):
         return None, "trainer_state.json is missing or unreadable"
     for name in [f"random_states_{rank}.pkl" for rank in range(world_size)] + list(files):
@@ -1481,7 +1512,8 @@ def read_checkpoint(path):
 # (the loss's coefficients, output, logging, saving) may change on purpose.
 RESUME_FIXED = (
     "rloo_k per_device_train_batch_size gradient_accumulation_steps num_mini_batches total_episodes response_length "
-    "seed sft_model_path dataset_name dataset_split dataset_text_field max_prompt_length token_level_kl"
+    "seed sft_model_path dataset_name dataset_split dataset_text_field max_prompt_length token_level_kl use_peft "
+    "lora_r lora_alpha lora_target_modules lora_task_type"
 ).split()
 
 
@@ -1496,13 +1528,15 @@ def check_checkpoint_args(args, saved, resume_dir):
 
 
 def checkpoint_dirs(output_dir):
-    """Complete checkpoints, oldest first. A checkpoint is written as `*.tmp` and renamed when complete."""
-    found = [d for d in glob.glob(os.path.join(output_dir, "checkpoint-*")) if not d.endswith(".tmp")]
+    """Complete checkpoints, oldest first: `checkpoint-<update>` directories with a trainer_state.json (a
+    checkpoint is written as `*.tmp` and renamed when complete)."""
+    found = glob.glob(os.path.join(output_dir, "checkpoint-*"))
+    found = [d for d in found if re.fullmatch(r"checkpoint-\d+", os.path.basename(d))]
     return sorted((d for d in found if os.path.exists(os.path.join(d, "trainer_state.json"))), key=checkpoint_number)
 
 
 def checkpoint_number(path):
-    return int(os.path.basename(path).split("-")[1].split(".")[0])
+    return int(os.path.basename(os.path.normpath(path)).split("-")[1])
 
 
 def resume_or_seed(run, resume_dir, saved):
@@ -1524,6 +1558,8 @@ def resume_or_seed(run, resume_dir, saved):
                 f"--resume-from-checkpoint {resume_dir}: cannot load it ({first_line(error)})"
             ) from None
         run.start_update, run.history, run.elapsed_before = saved["update"], saved["score_history"], saved["elapsed"]
+        run.last_saved, run.skipped_steps = saved["update"], saved["skipped_steps"]
+        run.consecutive_skips = saved["consecutive_skips"]
         if accelerator.is_main_process:
             print(f"resumed from {resume_dir} at update {run.start_update}")
     else:
@@ -1561,7 +1597,8 @@ def batch_indices(args, num_prompts, update, rank):
     every rank; each rank takes its slice."""
     B = args.local_dataloader_batch_size
     batches_per_pass = num_prompts // (B * args.world_size)
-    order = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(args.seed + update // batches_per_pass))
+    generator = torch.Generator().manual_seed(args.seed * 100003 + update // batches_per_pass)  # one per (seed, pass)
+    order = torch.randperm(num_prompts, generator=generator)
     start = ((update % batches_per_pass) * args.world_size + rank) * B
     return order[start : start + B].tolist()
 
@@ -1632,7 +1669,6 @@ def rollout_sums(run, responses, response_mask, old_logprobs, sequence_kl, raw_s
         "generated": response_mask.sum(),
         "eos": ((responses == run.tokenizer.eos_token_id) & response_mask).sum(),
         "zero_std": (grouped == grouped[0]).all(0).sum(),  # prompts whose k scores are all equal
-        "clipped": (scores.abs() >= args.reward_clip_range).sum(),  # scores at the clip range after clipping
     }
 
 
@@ -1709,14 +1745,7 @@ def log_update(run, update, metrics, queries, responses, scores):
 
     args, accelerator = run.args, run.accelerator
     if accelerator.is_main_process:
-        try:
-            with open(os.path.join(args.output_dir, "metrics.jsonl"), "a") as f:
-                f.write(json.dumps(metrics) + "\n")
-        except OSError as error:
-            raise SystemExit(
-                f"rloo.py: error: cannot append to {args.output_dir}/metrics.jsonl: {error.strerror} "
-                f"({free_space(args.output_dir)}); free space, then resume from the last checkpoint"
-            ) from None
+        append_lines(run, "metrics.jsonl", [metrics])
         if metrics["objective/scores_clipped_frac"] > 0.1 and not run.warned_clipping:
             run.warned_clipping = True
             tqdm.write(
@@ -1741,21 +1770,21 @@ def log_update(run, update, metrics, queries, responses, scores):
         accelerator.log(metrics, step=metrics["episode"])
 
 
+def agree(flag, device):
+    """True on every rank if `flag` is true on any: one all-reduce, so that every rank takes the same branch."""
+    return bool(all_reduce_sum(torch.tensor([float(flag)], device=device)).item() > 0)
+
+
 def rollout_is_finite(run, update, scores, advantages, logprobs):
     """The non-finite guard's verdict, the same on every rank (False: skip the update). The scores are checked
     before clipping, which would turn an inf into a finite number. A reward function that failed on any rank ends
     the run here, with a checkpoint of the last completed update."""
-    flags = torch.stack(
-        [
-            ~torch.isfinite(scores).all() | ~torch.isfinite(advantages).all(),
-            ~torch.isfinite(logprobs).all(),
-            torch.tensor(run.reward_error is not None),
-        ]
-    ).float()
-    bad_scores, bad_logprobs, failed = (all_reduce_sum(flags.to(scores.device)) > 0).tolist()
+    bad = [~torch.isfinite(scores).all() | ~torch.isfinite(advantages).all(), ~torch.isfinite(logprobs).all()]
+    failed = torch.tensor(run.reward_error is not None, device=scores.device)
+    bad_scores, bad_logprobs, failed = (all_reduce_sum(torch.stack([*bad, failed]).float()) > 0).tolist()
     if failed:
         set_rng_states(run.rng_at_update_start)  # so that a resume samples this update again, the same way
-        if update > 0 and not os.path.exists(os.path.join(run.args.output_dir, f"checkpoint-{update}")):
+        if 0 < update != run.last_saved:
             save_checkpoint(run, update)
         kept = f"checkpoint-{update} holds the last completed update" if update else "no update had completed"
         raise SystemExit(
@@ -1772,6 +1801,12 @@ def load_eval_prompts(args, tokenizer):
     path = args.eval_dataset_name or args.dataset_name
     flag = "--eval-dataset-name" if args.eval_dataset_name else "--dataset-name (for evaluation, --eval-split)"
     prompts, rows, _ = load_prompts(args, tokenizer, path, args.eval_split, flag)
+    if not args.eval_dataset_name and (path is None or path.endswith(".jsonl")) and main_rank():
+        print(
+            f"rloo.py: warning: evaluating on the training prompts ({path or 'the toy task'} has no other split); "
+            "give --eval-dataset-name for held-out prompts",
+            file=sys.stderr,
+        )
     return prompts[: args.num_eval_prompts], rows[: args.num_eval_prompts]
 
 
@@ -1787,22 +1822,19 @@ def evaluate(run, update):
     mine = list(range(rank * per_rank, min((rank + 1) * per_rank, len(run.eval_prompts))))
     indices = (mine + [0] * per_rank)[:per_rank]  # padded with prompt 0, whose results are left out
     training_rng = rng_states()
-    set_rng_states(rank_seed(args.seed, rank) + update)
+    set_rng_states((rank_seed(args.seed, rank) + update) % 2**32)
     run.policy.eval()
     queries, query_mask = (t.to(device) for t in pad_batch([run.eval_prompts[i] for i in indices], pad_token_id))
     with generation_context(run) as (model, synced):
         responses = rollout(model, queries, query_mask, args, args.eval_temperature, pad_token_id, synced)
     responses, response_mask = truncate_response(responses, args.stop_token_id, pad_token_id)
     rows = [run.eval_rows[i] for i in indices]
-    query_responses, attention_mask = (
-        torch.cat([queries, responses], 1),
-        torch.cat([query_mask, response_mask.long()], 1),
-    )
+    query_responses = torch.cat([queries, responses], 1)
+    attention_mask = torch.cat([query_mask, response_mask.long()], 1)
     scores, rewards = score_completions(run, rows, query_responses, attention_mask, queries.shape[1], response_mask)
     if args.missing_eos_penalty is not None:
-        scores = (
-            scores - args.missing_eos_penalty * (~((responses == args.stop_token_id) & response_mask).any(1)).float()
-        )
+        missing_stop = ~has_stop_token(responses, response_mask, args.stop_token_id)
+        scores = scores - args.missing_eos_penalty * missing_stop.float()
     set_rng_states(training_rng)
     real = torch.arange(per_rank, device=device) < len(mine)  # (per_rank,) not padding
     sums = {
@@ -1811,8 +1843,12 @@ def evaluate(run, update):
         "eval/num_eos_tokens": ((responses == tokenizer.eos_token_id) & response_mask).sum(1).float(),
         **{f"eval/rewards/{name}": values for name, values in rewards.items()},
     }
-    totals = all_reduce_sum(torch.stack([torch.where(real, v, 0.0).sum() for v in sums.values()]))
-    metrics = {"update": update} | {key: total / len(run.eval_prompts) for key, total in zip(sums, totals.tolist())}
+    sums["failed"] = torch.full_like(scores, float(run.reward_error is not None))  # a reward function failed
+    totals = dict(zip(sums, all_reduce_sum(torch.stack([torch.where(real, v, 0.0).sum() for v in sums.values()]))))
+    if totals.pop("failed") > 0:  # every rank stops after the update, in end_of_update
+        run.reward_error = run.reward_error or "a reward function failed on another process (in the evaluation)"
+        return
+    metrics = {"update": update} | {key: total.item() / len(run.eval_prompts) for key, total in totals.items()}
     metrics["eval/num_eos_tokens"] *= len(run.eval_prompts)  # a count over the evaluation, like val/num_eos_tokens
     completions = tokenizer.batch_decode(responses, skip_special_tokens=True)
     records = [
@@ -1824,18 +1860,17 @@ def evaluate(run, update):
 
         records = gather_object(records)
     if accelerator.is_main_process:
-        with open(os.path.join(args.output_dir, "metrics.jsonl"), "a") as f:
-            f.write(json.dumps(metrics) + "\n")
-        with open(os.path.join(args.output_dir, "eval_completions.jsonl"), "a") as f:
-            f.writelines(json.dumps(record) + "\n" for record in records)
+        append_lines(run, "metrics.jsonl", [metrics])
+        append_lines(run, "eval_completions.jsonl", records)
     if args.report_to != "none":
         accelerator.log(metrics, step=update * args.batch_size)
 
 
 def end_of_update(run, update, stopping):
-    """Checkpoints: every save_steps updates, at the end, on preemption, and when the non-finite guard gives up."""
-    args, done = run.args, update + 1
-    if args.eval_steps and (done % args.eval_steps == 0 or done == args.num_total_batches):
+    """After the update's metrics: the evaluation (not when stopping: a preempted run has little time), then
+    checkpoints every save_steps updates, at the end, on preemption, and when the run must stop."""
+    args, done, device = run.args, update + 1, run.accelerator.device
+    if args.eval_steps and (done % args.eval_steps == 0 or done == args.num_total_batches) and not stopping:
         evaluate(run, done)
     if run.consecutive_skips >= 3 and run.problem == "log-probs":  # no checkpoint: the weights themselves may be NaN
         raise SystemExit(
@@ -1844,15 +1879,17 @@ def end_of_update(run, update, stopping):
             f"--learning-rate (now {args.learning_rate}) or raise --temperature, and resume from an "
             "earlier checkpoint"
         )
-    too_many_skips = run.consecutive_skips >= 3
-    if done % args.save_steps == 0 or done == args.num_total_batches or stopping or too_many_skips:
+    failed_write = agree(run.write_error is not None, device)  # the main process alone appends to the files
+    failed = run.consecutive_skips >= 3 or run.reward_error is not None or failed_write
+    if done % args.save_steps == 0 or done == args.num_total_batches or stopping or failed:
         save_checkpoint(run, done)
-    if too_many_skips:
-        raise SystemExit(
-            f"rloo.py: stopped at update {done}: non-finite scores (NaN or inf) in 3 updates in a row "
-            f"(the last good state is in {args.output_dir}/checkpoint-{done}); check the reward "
-            "function or model"
+    if failed:
+        why = (
+            "non-finite scores (NaN or inf) in 3 updates in a row; check the reward function or model"
+            if run.consecutive_skips >= 3
+            else run.reward_error or run.write_error or "a write failed on rank 0"
         )
+        raise SystemExit(f"rloo.py: error: stopped after update {done}: {why} (checkpoint-{done} holds the run so far)")
     if stopping:
         number = run.stop_signals[0] if run.stop_signals else signal.SIGTERM  # another rank's signal: stop alike
         if run.accelerator.is_main_process:
@@ -1864,23 +1901,31 @@ def end_of_update(run, update, stopping):
         sys.exit(128 + number)  # 130 for SIGINT, 143 for SIGTERM
 
 
+def append_lines(run, name, records):
+    """Append JSON lines to a file of the output directory (main process); a failure (a full disk) is kept for
+    end_of_update, which stops every rank together."""
+    try:
+        with open(os.path.join(run.args.output_dir, name), "a") as f:
+            f.writelines(json.dumps(record) + "\n" for record in records)
+    except OSError as error:
+        run.write_error = f"cannot append to {name}: {error.strerror} ({free_space(run.args.output_dir)})"
+
+
 def save_checkpoint(run, update):
     """Weights, optimizer, RNG of every rank (accelerate's save_state), plus the counters and the size of every
     file, into checkpoint-<update>.tmp, renamed into place once complete: a crash or a full disk mid-save leaves
-    the previous checkpoint intact."""
+    the previous checkpoint intact. Every rank learns of a failure on any rank, and all stop with one line."""
     accelerator, args = run.accelerator, run.args
     final = os.path.join(args.output_dir, f"checkpoint-{update}")
-    tmp = final + ".tmp"
+    tmp, failure = final + ".tmp", None
     if accelerator.is_main_process and os.path.exists(tmp):
         shutil.rmtree(tmp)
     accelerator.wait_for_everyone()
-    failure = None
     try:
         accelerator.save_state(tmp)
     except Exception as error:  # safetensors and torch.save report a full disk in their own words
         failure = error
-    failed = all_reduce_sum(torch.tensor([float(failure is not None)], device=accelerator.device)).item() > 0
-    if accelerator.is_main_process and not failed:
+    if not agree(failure is not None, accelerator.device) and accelerator.is_main_process:  # every rank's files
         files = {
             os.path.relpath(os.path.join(d, f), tmp): os.path.getsize(os.path.join(d, f))
             for d, _, names in os.walk(tmp)
@@ -1893,23 +1938,26 @@ def save_checkpoint(run, update):
             "score_history": run.history,
             "elapsed": run.elapsed_before + time.perf_counter() - run.start_time,
             "files": files,
+            "skipped_steps": run.skipped_steps,
+            "consecutive_skips": run.consecutive_skips,
         }
         try:
             with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
                 json.dump(state, f)
+            if os.path.exists(final):
+                shutil.rmtree(final)
+            os.replace(tmp, final)
         except OSError as error:
-            failure = failed = error
-    if failed:
+            failure = error
+    if agree(failure is not None, accelerator.device):
         shutil.rmtree(tmp, ignore_errors=True)
         raise SystemExit(
             f"rloo.py: error: cannot write {tmp}: {first_line(failure or 'on another process')} "
             f"({free_space(args.output_dir)}); free space, then resume from the last checkpoint"
         )
-    if accelerator.is_main_process:
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        for old in checkpoint_dirs(args.output_dir)[: -args.save_total_limit] if args.save_total_limit else []:
+    run.last_saved = update
+    if accelerator.is_main_process and args.save_total_limit:
+        for old in checkpoint_dirs(args.output_dir)[: -args.save_total_limit]:
             shutil.rmtree(old)
     accelerator.wait_for_everyone()
 

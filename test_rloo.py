@@ -711,7 +711,7 @@ def test_resolve_args_derives_sizes_once():
         num_train_epochs=2.0,
         num_prompts=100,
     )
-    assert (args.local_batch_size, args.batch_size, args.local_mini_batch_size) == (24, 48, 12)
+    assert (args.local_batch_size, args.batch_size) == (24, 48)
     assert args.local_dataloader_batch_size == 8  # prompts per process: 24 completions / k=3
     assert args.total_episodes == 200 and args.num_total_batches == math.ceil(200 / 48)
     assert args.learning_rate == 1e-3 and args.output_dir == os.path.join("runs", args.run_name)
@@ -764,7 +764,6 @@ DERIVED = (
     "world_size",
     "local_batch_size",
     "batch_size",
-    "local_mini_batch_size",
     "local_dataloader_batch_size",
     "num_total_batches",
 )
@@ -918,6 +917,25 @@ def test_reward_fn_validation(workdir, tmp_path, monkeypatch, function, words):
     monkeypatch.chdir(workdir)
     message = run_main(tmp_path, reward_fn=[function])
     assert "--reward-fn" in message and words in message
+
+
+def test_reward_functions_are_checked_against_every_dataset(workdir, tmp_path, monkeypatch):
+    monkeypatch.chdir(workdir)
+    # two sources may not share a name: their rewards and metrics go by it
+    message = run_main(tmp_path, reward_fn=["test_rewards:vowels", "test_rewards:vowels"])
+    assert "--reward-fn" in message and "share a name" in message
+    # the evaluation prompts lack the column the function needs: found at start-up, not at the first evaluation
+    train, held_out = tmp_path / "train.jsonl", tmp_path / "held_out.jsonl"
+    train.write_text("".join(json.dumps({"prompt": f"p{n}:", "answer": n}) + "\n" for n in range(8)))
+    held_out.write_text(json.dumps({"prompt": "q:"}) + "\n")
+    message = run_main(
+        tmp_path,
+        dataset_name=str(train),
+        reward_fn=["test_rewards:columns"],
+        eval_steps=1,
+        eval_dataset_name=str(held_out),
+    )
+    assert "--reward-fn test_rewards:columns raised TypeError" in message and "\n" not in message
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1904,7 +1922,9 @@ def fake_checkpoint(path, world_size=1):
     for rank in range(world_size):
         torch.save({"python": random_state_like()}, path / f"random_states_{rank}.pkl")
     files = {p.name: p.stat().st_size for p in path.iterdir()}
-    (path / "trainer_state.json").write_text(json.dumps({"update": 2, "world_size": world_size, "files": files}))
+    state = {"update": 2, "world_size": world_size, "files": files, "args": {}, "score_history": [], "elapsed": 0.0}
+    state |= {"skipped_steps": 0, "consecutive_skips": 0}
+    (path / "trainer_state.json").write_text(json.dumps(state))
 
 
 def random_state_like():
@@ -2130,7 +2150,8 @@ def test_resuming_into_another_directory(workdir, full_run, tmp_path, monkeypatc
     )
     assert "belongs to another run" in message and (other / "metrics.jsonl").read_text() == '{"update": 1}\n'
     # into an empty directory it continues that run, with its metrics so far
-    launch(workdir, tmp_path / "empty", *RESUME_FLAGS, "--resume-from-checkpoint", str(full_run / "checkpoint-4"))
+    checkpoint = str(full_run / "checkpoint-4") + "/"  # as a shell completes it: the same directory
+    launch(workdir, tmp_path / "empty", *RESUME_FLAGS, "--resume-from-checkpoint", checkpoint)
     assert_resumed_run_matches(full_run, tmp_path / "empty")
 
 
@@ -2155,8 +2176,9 @@ def test_damaged_checkpoints(workdir, full_run, tmp_path, monkeypatch):
 @slow
 @pytest.mark.parametrize("failure", ["RLOO_TEST_RAISE_AT", "RLOO_TEST_EXIT_AT"])
 def test_a_failing_reward_function_stops_with_a_checkpoint(workdir, full_run, tmp_path, failure):
-    # the function fails in update 4 (call 5): updates 1-3 are done, and checkpoint-3 keeps them
-    proc = launch(workdir, tmp_path / "out", *RESUME_FLAGS, env={failure: "5"}, check=False)
+    # the function fails in update 4: its calls are the start-up check, updates 1 and 2, the evaluation after
+    # update 2, update 3, then update 4 (call 6). Updates 1-3 are done, and checkpoint-3 keeps them
+    proc = launch(workdir, tmp_path / "out", *RESUME_FLAGS, env={failure: "6"}, check=False)
     message = one_line_error(proc)
     assert "--reward-fn test_rewards:vowels raised" in message and "checkpoint-3" in message
     assert ("ValueError: the grader is down" if failure == "RLOO_TEST_RAISE_AT" else "SystemExit: 0") in message
