@@ -574,20 +574,21 @@ def toy_tokenizer():
     )
 
 
-def toy_policy(tokenizer, seed):
-    """A small GPT-NeoX (the Pythia architecture) with random weights."""
+def toy_policy(tokenizer, seed, hidden_size=64, intermediate_size=256):
+    """A small GPT-NeoX (the Pythia architecture) with random weights: 2 layers, 4 heads."""
     from transformers import AutoModelForCausalLM, GPTNeoXConfig
 
+    ids = dict(
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id
+    )
     config = GPTNeoXConfig(
         vocab_size=len(tokenizer),
-        hidden_size=64,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
         num_hidden_layers=2,
         num_attention_heads=4,
-        intermediate_size=256,
         max_position_embeddings=512,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.eos_token_id,
+        **ids,
     )
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config)

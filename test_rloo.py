@@ -1705,22 +1705,8 @@ def scale_runs(workdir):
     """The same 2-process run six ways: ZeRO-3 with gathered generation (and activation checkpointing), ZeRO-3 on
     the sharded model, DDP, DDP launched with --multi_gpu alone (no ACCELERATE_USE_CPU), and LoRA under ZeRO-3 and
     under DDP."""
-    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
-
     tokenizer = rloo.toy_tokenizer()
-    config = GPTNeoXConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=256,
-        intermediate_size=1024,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=512,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.eos_token_id,
-    )
-    torch.manual_seed(5)
-    wide = eos_likely(GPTNeoXForCausalLM(config), tokenizer, p=0.35)
+    wide = eos_likely(rloo.toy_policy(tokenizer, 5, hidden_size=256, intermediate_size=1024), tokenizer, p=0.35)
     assert max(p.numel() for p in wide.parameters()) == 256 * 1024 > 1e5
     wide.save_pretrained(workdir / "policy_wide")
     tokenizer.save_pretrained(workdir / "policy_wide")
