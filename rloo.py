@@ -468,7 +468,8 @@ def score_completions(run, rows, query_responses, attention_mask, context_length
     prompts = [row[args.dataset_text_field] for row in rows]  # one row per completion
     columns = {name: [row.get(name) for row in rows] for name in rows[0] if name != args.dataset_text_field}
     completions = run.tokenizer.batch_decode(responses, skip_special_tokens=True)
-    stopped = has_stop_token(responses, response_mask, args.stop_token_id).tolist()
+    if any(source.tokenizer is not None for source in run.reward_sources):  # re-encoding adds eos where it stopped
+        stopped = has_stop_token(responses, response_mask, args.stop_token_id).tolist()
     rewards = {}
     for source in run.reward_sources:
         if source.fn is not None:
@@ -698,7 +699,7 @@ def train(run):
                 advantages = whiten(advantages)
 
         # ---- non-finite guard: a NaN or inf anywhere in the rollout (a score, a log-prob) skips this update
-        logprobs = torch.cat([old_logprobs[response_mask], ref_logprobs[response_mask]])
+        logprobs = torch.where(response_mask, old_logprobs + ref_logprobs, 0.0)  # non-finite if either one is
         finite = rollout_is_finite(run, update, raw_scores, advantages, logprobs)
 
         # ---- 9. the update: num_ppo_epochs passes, each over num_mini_batches shuffled mini-batches of
