@@ -454,6 +454,7 @@ class RewardSource:
     model: Any = None
     tokenizer: Any = None  # None: the reward model reads the policy's token ids (same vocabulary, a decoder)
     decoder: bool = True  # a decoder classifier, read at the last token; else an encoder, which pools on its own
+    context: Optional[int] = None  # a reward model's positions (max_position_embeddings)
 
 
 def score_completions(run, rows, query_responses, attention_mask, context_length, response_mask):
@@ -480,9 +481,21 @@ def score_completions(run, rows, query_responses, attention_mask, context_length
             rewards[source.name] = torch.tensor(values, dtype=torch.float, device=device)
             continue
         ids, mask, last_index = query_responses, attention_mask, context_length + response_mask.sum(1) - 1
+        overflow = False
         if source.tokenizer is not None:  # re-encoded: left-padded for a decoder, so that the last token is last
             encoded = [render_for_reward(source.tokenizer, *row) for row in zip(prompts, completions, stopped)]
             ids, mask = (t.to(device) for t in pad_batch(encoded, source.tokenizer.pad_token_id, left=source.decoder))
+            overflow = source.context is not None and ids.shape[1] > source.context  # beyond its positions
+            if overflow:
+                run.reward_error = (
+                    f"{source.flag}: a prompt + completion re-encoded for the reward model is {ids.shape[1]} tokens, "
+                    f"beyond its context of {source.context}; use a reward model with a longer context, or start a new "
+                    "run with lower --max-prompt-length or --response-length"
+                )
+                # the forward still runs, cut to fit, so that a sharded model's collectives stay in step on every
+                # rank; the guard then stops the run
+                kept = slice(-source.context, None) if source.decoder else slice(0, source.context)
+                ids, mask = ids[:, kept], mask[:, kept]
             last_index = torch.full((len(ids),), ids.shape[1] - 1, device=device)
         model, chunk = run.accelerator.unwrap_model(source.model), args.local_rollout_forward_batch_size
         with run.accelerator.autocast():
@@ -490,7 +503,7 @@ def score_completions(run, rows, query_responses, attention_mask, context_length
                 reward_model_values(source, model, ids[i : i + chunk], mask[i : i + chunk], last_index[i : i + chunk])
                 for i in range(0, len(ids), chunk)
             ]
-        rewards[source.name] = torch.cat(values)
+        rewards[source.name] = torch.cat(values) if not overflow else torch.full((len(ids),), math.nan, device=device)
     scores = sum(source.weight * rewards[source.name] for source in run.reward_sources)
     return scores, rewards  # (k*B,), {name: (k*B,)}
 
@@ -794,7 +807,8 @@ def setup(args):
     if saved is not None:
         check_checkpoint_args(args, saved, resume_dir)
     evaluation = load_eval_prompts(args, tokenizer) if args.eval_steps else ([], [])  # prompts, rows
-    check_context_length(args, policy_config, max(len(ids) for ids in prompts + evaluation[0]))
+    longest_prompt = max(len(ids) for ids in prompts + evaluation[0])
+    check_context_length(args, policy_config, longest_prompt, "policy")
     sources = [
         load_reward_fn(spec, rows[:2] + evaluation[1][:2], args.dataset_text_field) for spec in args.reward_fn or []
     ]
@@ -807,7 +821,7 @@ def setup(args):
     prepare_output_dir(args, resume_dir)  # the lock: everything before it only reads and checks
     if not torch.cuda.is_available():
         torch.set_num_threads(args.cpu_threads)
-    policy, ref_policy, reward_model = load_models(args, tokenizer, rows)
+    policy, ref_policy, reward_model = load_models(args, tokenizer, rows, longest_prompt)
     accelerator, zero3 = make_accelerator(args)
     trainable = [p for p in policy.parameters() if p.requires_grad]  # with LoRA, the adapters only
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, eps=1e-8, weight_decay=0.0)
@@ -995,13 +1009,13 @@ def check_model_configs(args):
     return policy_config
 
 
-def check_context_length(args, policy_config, longest_prompt):
-    """The longest prompt and a whole completion must fit the policy's context (position embeddings)."""
-    context = getattr(policy_config, "max_position_embeddings", None) if policy_config else 512  # the toy's
+def check_context_length(args, config, longest_prompt, model="policy"):
+    """The longest prompt and a whole completion must fit a model's context (position embeddings)."""
+    context = getattr(config, "max_position_embeddings", None) if config else 512  # the toy's
     if context is not None and longest_prompt + args.response_length > context:
         raise ArgumentError(
             f"--response-length {args.response_length} after the longest prompt ({longest_prompt} "
-            f"tokens) is beyond the policy's context of {context} tokens; lower --response-length or "
+            f"tokens) is beyond the {model}'s context of {context} tokens; lower --response-length or "
             "--max-prompt-length"
         )
 
@@ -1149,7 +1163,7 @@ def chat_prompt_ids(tokenizer, messages, place):
         ) from None
 
 
-def load_models(args, tokenizer, rows):
+def load_models(args, tokenizer, rows, longest_prompt):
     """Policy, reference and the reward model (a RewardSource, or None). They load before the Accelerator, so
     every rank gets the same full weights, which the DeepSpeed engines then shard (after Accelerator() under a
     ZeRO-3 plugin, from_pretrained would shard while loading). Every model loads in float32, whatever the
@@ -1173,7 +1187,10 @@ def load_models(args, tokenizer, rows):
         if decoder and reward_tokenizer.get_vocab() == tokenizer.get_vocab():
             reward_tokenizer = None  # the same vocabulary: score the policy's token ids directly
         flag = f"--reward-model-path {args.reward_model_path}"
-        reward = RewardSource("reward_model", flag, model=model, tokenizer=reward_tokenizer, decoder=decoder)
+        context = getattr(model.config, "max_position_embeddings", None)  # re-encoded inputs are checked as scored
+        reward = RewardSource("reward_model", flag, 1.0, None, model, reward_tokenizer, decoder, context)
+        if reward_tokenizer is None:  # it reads the policy's tokens: their lengths are known now
+            check_context_length(args, model.config, longest_prompt, "reward model")
         check_reward_model(reward, tokenizer, rows[0][args.dataset_text_field])
     for model in (policy, ref_policy, reward and reward.model):
         if model is not None:

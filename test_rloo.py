@@ -1436,6 +1436,30 @@ def test_reward_model_with_another_tokenizer_scores_the_same_tokens(workdir, tmp
     assert other["rewards/vowels"] == pytest.approx(statistics.mean(call["scores"]))
 
 
+def gpt2_reward_model(directory, tokenizer, positions):
+    """A GPT-2 reward model (learned absolute positions: indexing past them fails) saved with `tokenizer`."""
+    from transformers import GPT2Config, GPT2ForSequenceClassification
+
+    config = GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=1, n_head=4, n_positions=positions, num_labels=1)
+    config.pad_token_id = tokenizer.pad_token_id
+    GPT2ForSequenceClassification(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+@slow
+def test_reward_model_context_is_checked_on_re_encoded_text(workdir, tmp_path):
+    # another tokenizer: lengths are known only once completions are re-encoded, so the run stops in update 1 with
+    # one line (before the check: an IndexError traceback from the position embeddings)
+    tokenizer = rloo.toy_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|sep|>"]})
+    gpt2_reward_model(tmp_path / "short_reward", tokenizer, positions=48)
+    proc = launch(workdir, tmp_path / "out", "--reward-model-path", str(tmp_path / "short_reward"), check=False)
+    message = one_line_error(proc)
+    assert "--reward-model-path" in message and "beyond its context of 48" in message
+    assert "stopped in update 1" in message and not (tmp_path / "out" / "checkpoint-1").exists()
+
+
 @slow
 def test_encoder_reward_model_scores_with_its_own_special_tokens(workdir, tmp_path):
     log = tmp_path / "calls"
@@ -1863,8 +1887,12 @@ def test_model_and_data_validation(workdir, tmp_path):
     assert "--dataset-name" in run_main(tmp_path, dataset_name=str(empty))
     assert "--dataset-text-field" in run_main(tmp_path, dataset_name=str(fieldless))
     assert "--max-prompt-length" in run_main(tmp_path, dataset_name=str(long), max_prompt_length=50)
-    # prompts and completion beyond the policy's context (the toy's: 512 positions)
+    # prompts and completion beyond the policy's context (the toy's: 512 positions), or beyond the context of a
+    # reward model that reads the policy's tokens (learned positions: it would fail with an IndexError in update 1)
     assert "--response-length" in run_main(tmp_path, response_length=600)
+    short_reward = gpt2_reward_model(tmp_path / "short_reward", rloo.toy_tokenizer(), positions=48)
+    message = run_main(tmp_path, reward_model_path=str(short_reward))  # the default --response-length is 53
+    assert "--response-length" in message and "reward model's context of 48 tokens" in message
     # an output directory that cannot be written, or that is a file
     blocker = tmp_path / "a_file"
     blocker.write_text("")
