@@ -103,7 +103,7 @@ class Args:
     temperature: float = 0.7
     """sampling temperature; log-probs are computed from logits divided by it too"""
     missing_eos_penalty: Optional[float] = None
-    """subtracted from the score of completions that never produced the stop token"""
+    """subtracted from the score of completions that never produced the stop token (0 or more)"""
     local_rollout_forward_batch_size: int = 64
     """completions generated and scored per forward pass during the rollout"""
 
@@ -836,7 +836,13 @@ def setup(args):
     if args.report_to != "none":
         accelerator.init_trackers(args.exp_name, config=asdict(args))
     resume_or_seed(run, resume_dir, saved)
-    start_lineage(run, resume_dir)  # the first write into the output directory
+    if start_lineage(run, resume_dir):  # the first write into the output directory
+        evaluate(run, run.start_update)  # owed by the run that wrote the checkpoint: it stopped before it
+        if run.reward_error is not None:
+            raise SystemExit(
+                f"rloo.py: error: stopped in the evaluation after update {run.start_update}: "
+                f"{run.reward_error} (checkpoint-{run.start_update} is unchanged)"
+            )
     for signum in (signal.SIGTERM, signal.SIGINT):  # preemption: finish the update, checkpoint, exit
         signal.signal(signum, functools.partial(on_stop_signal, run))
     return run
@@ -865,7 +871,7 @@ FLAG_MINIMUMS = {
     **dict.fromkeys("local_rollout_forward_batch_size save_total_limit total_episodes cpu_threads".split(), 1),
     **dict.fromkeys("num_eval_prompts".split(), 1),
     **dict.fromkeys("stop_token_id kl_coef max_grad_norm num_sample_generations eval_steps".split(), 0),
-    **dict.fromkeys("eval_temperature".split(), 0),
+    **dict.fromkeys("eval_temperature missing_eos_penalty".split(), 0),
 }
 FLAG_POSITIVE = ("temperature", "cliprange", "reward_clip_range", "learning_rate", "num_train_epochs", "lora_alpha")
 
@@ -874,8 +880,8 @@ def validate_args(args):
     """Every check of the flags alone, before anything loads: a one-line error naming the flag and what is valid."""
     for name, lowest in FLAG_MINIMUMS.items():
         value = getattr(args, name)
-        if value is not None and not value >= lowest:  # `not >=` also refuses NaN
-            raise ArgumentError(f"--{name.replace('_', '-')} must be at least {lowest} (got {value})")
+        if value is not None and not lowest <= value < math.inf:  # the comparison also refuses NaN
+            raise ArgumentError(f"--{name.replace('_', '-')} must be a finite number, at least {lowest} (got {value})")
     for name in FLAG_POSITIVE:
         value = getattr(args, name)
         if value is not None and not (0 < value < math.inf):
@@ -1349,8 +1355,10 @@ def prepare_output_dir(args, resume_dir):
 def start_lineage(run, resume_dir):
     """The output directory as this run's lineage, once the checkpoint loaded (main process; then every rank
     waits). Resuming from checkpoint N abandons whatever was written after N: moved aside into `abandoned-<time>/`,
-    not deleted. --overwrite-output-dir deletes another run's metrics, evaluations and checkpoints."""
-    out, update = run.args.output_dir, run.start_update
+    not deleted. --overwrite-output-dir deletes another run's metrics, evaluations and checkpoints. Returns, on
+    every rank, whether the evaluation after update N is owed: the run stopped before it (a signal, a reward
+    function that failed in it), so the resume runs it first."""
+    out, update, owed = run.args.output_dir, run.start_update, False
     if run.accelerator.is_main_process:
         source = os.path.dirname(resume_dir) if resume_dir else out  # another directory's: its metrics so far
         metrics = read_metrics_lines(os.path.join(source, "metrics.jsonl")) if resume_dir else []
@@ -1360,12 +1368,16 @@ def start_lineage(run, resume_dir):
                 shutil.rmtree(path)
         elif source == out or os.path.realpath(source) == os.path.realpath(out):
             abandon_after(out, update, metrics, evaluations)
+        evaluated = any(r["update"] == update and "eval/scores" in r for r in metrics)
+        owed = eval_due(run.args, update) and not evaluated
+        evaluations = [r for r in evaluations if not (owed and r["update"] == update)]  # of a cut-short one
         for name, records in [("metrics.jsonl", metrics), ("eval_completions.jsonl", evaluations)]:
             path = os.path.join(out, name)
             with open(path + ".tmp", "w") as f:  # the updates the checkpoint holds, no more; replaced whole
                 f.writelines(json.dumps(r) + "\n" for r in records if r["update"] <= update)
             os.replace(path + ".tmp", path)
     run.accelerator.wait_for_everyone()
+    return agree(owed, run.accelerator.device)
 
 
 def abandon_after(out, update, metrics, evaluations):
@@ -1885,11 +1897,16 @@ def evaluate(run, update):
         accelerator.log(metrics, step=update * args.batch_size)
 
 
+def eval_due(args, done):
+    """Whether the evaluation schedule holds an evaluation after `done` updates: every eval_steps, and the last."""
+    return bool(args.eval_steps) and done > 0 and (done % args.eval_steps == 0 or done == args.num_total_batches)
+
+
 def end_of_update(run, update, stopping):
     """After the update's metrics: the evaluation (not when stopping: a preempted run has little time), then
     checkpoints every save_steps updates, at the end, on preemption, and when the run must stop."""
     args, done, device = run.args, update + 1, run.accelerator.device
-    if args.eval_steps and (done % args.eval_steps == 0 or done == args.num_total_batches) and not stopping:
+    if eval_due(args, done) and not stopping:  # when stopping, the resume evaluates first (see start_lineage)
         evaluate(run, done)
     if run.consecutive_skips >= 3 and run.problem == "log-probs":  # no checkpoint: the weights themselves may be NaN
         raise SystemExit(

@@ -23,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 import torch
@@ -375,6 +376,7 @@ def _whiten_worker(rank, init_file, out_dir, values, mask):
         dist.destroy_process_group()
 
 
+@slow
 def test_whiten_and_global_mean_var_across_two_processes(tmp_path):
     g = torch.Generator().manual_seed(8)
     values = torch.randn(6, 4, generator=g, dtype=torch.float64) * 2 - 1
@@ -667,6 +669,10 @@ def run_main(tmp_path, **fields):
         (dict(reward_weights=[math.inf]), "--reward-weights"),
         (dict(max_prompt_length=0), "--max-prompt-length"),
         (dict(num_sample_generations=-1), "--num-sample-generations"),
+        (dict(kl_coef=math.inf), "--kl-coef"),
+        (dict(eval_temperature=math.inf), "--eval-temperature"),
+        (dict(missing_eos_penalty=math.nan, stop_token="eos"), "--missing-eos-penalty"),
+        (dict(missing_eos_penalty=-1.0, stop_token="eos"), "--missing-eos-penalty"),
     ],
 )
 def test_flag_checks(tmp_path, fields, flag):
@@ -675,6 +681,7 @@ def test_flag_checks(tmp_path, fields, flag):
     assert not (tmp_path / "out").exists()  # nothing was written
 
 
+@slow
 def test_bad_flag_exits_with_one_line_and_no_traceback(tmp_path):
     proc = subprocess.run(
         [sys.executable, RLOO_PY, "--rloo-k", "1", "--output-dir", str(tmp_path / "o")],
@@ -747,6 +754,7 @@ TRL_FLAGS = (
 ).split()
 
 
+@slow
 def test_cli_help_lists_trl_flags_and_each_default_once():
     result = subprocess.run(
         [sys.executable, RLOO_PY, "--help"], capture_output=True, text=True, cwd=ROOT, env=subprocess_env(), timeout=120
@@ -825,7 +833,7 @@ def test_bad_data_is_one_line_naming_the_line(tmp_path, lines, words):
     with pytest.raises(rloo.ArgumentError) as error:
         prompts_of(tmp_path, lines)
     message = str(error.value.code)
-    assert "\n" not in message and "data.jsonl" in message or "--dataset-text-field" in message
+    assert "\n" not in message and ("data.jsonl" in message or "--dataset-text-field" in message)
     for word in words:
         assert word in message, message
 
@@ -837,6 +845,20 @@ def test_prompts_keep_the_tokenizers_bos_and_every_column(tmp_path):
     )
     assert prompts == [[tokenizer.bos_token_id] + tokenizer("Hi:", add_special_tokens=False)["input_ids"]]
     assert rows == [{"prompt": "Hi:", "answer": 3}] and dropped == 1
+
+
+def test_dataset_directories_keep_every_column(tmp_path):
+    import datasets
+
+    rows = [{"prompt": f"Add {n} and 1:", "answer": n + 1, "tag": f"t{n}"} for n in range(3)]
+    datasets.Dataset.from_list(rows).save_to_disk(tmp_path / "one")  # a Dataset: no splits
+    splits = {"train": datasets.Dataset.from_list(rows[:1]), "test": datasets.Dataset.from_list(rows[1:])}
+    datasets.DatasetDict(splits).save_to_disk(tmp_path / "two")
+    tokenizer = rloo.toy_tokenizer()
+    for path, split, expected in [("one", "train", rows), ("two", "test", rows[1:]), ("two", "train", rows[:1])]:
+        prompts, got, _ = rloo.load_prompts(rloo.Args(), tokenizer, str(tmp_path / path), split, "--dataset-name")
+        assert got == expected  # every column, in order, for the reward functions' keyword arguments
+        assert prompts == [tokenizer(row["prompt"])["input_ids"] for row in expected]
 
 
 def test_chat_prompts_use_the_chat_template(tmp_path):
@@ -942,6 +964,7 @@ def test_reward_functions_are_checked_against_every_dataset(workdir, tmp_path, m
 # 12. `import rloo` runs nothing
 
 
+@slow
 def test_import_runs_nothing(tmp_path):
     cwd, report = tmp_path / "cwd", tmp_path / "modules.txt"
     cwd.mkdir()
@@ -1212,8 +1235,6 @@ def test_toy_run_writes_every_metric(workdir, tmp_path):
     assert "done in" in proc.stdout and "first tenth" in proc.stdout and "episodes/s" in proc.stdout
     cores = len(os.sched_getaffinity(0))  # accelerate launch sets OMP_NUM_THREADS=1; rloo.py uses every core
     assert f"1 processes, {cores} CPU threads each" in proc.stdout
-    cores = len(os.sched_getaffinity(0))  # accelerate launch sets OMP_NUM_THREADS=1; rloo.py uses every core
-    assert f"1 processes, {cores} CPU threads each" in proc.stdout
     assert proc.stdout.count("| score") == 2  # num_sample_generations tables
     assert (tmp_path / "out" / "model.safetensors").exists()
 
@@ -1233,6 +1254,8 @@ def test_local_models_save_a_model_that_reloads(workdir, tmp_path):
         "eos",
         "--learning-rate",
         "1e-3",
+        "--max-grad-norm",
+        "0",  # HF's convention: no clipping (it once left the model bitwise at its initialization)
         *SHORT,
     )
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
@@ -1652,6 +1675,11 @@ def test_bf16_checkpoint_trains_float32_master_weights(workdir, tmp_path):
     # Adam moves every weight with a gradient by about lr per step: far below bf16's spacing near 0.02, so in bf16
     # most of these steps would round away; float32 master weights keep them
     assert changed / total > 0.8, changed / total
+    # the prompts this run sampled from: the Llama tokenizer's BOS leads each of them, once
+    args = rloo.Args(sft_model_path=str(workdir / "llama_bf16"))
+    tokenizer = rloo.load_tokenizer(args)
+    prompts, _, _ = rloo.load_prompts(args, tokenizer, None, "train", "--dataset-name")
+    assert all(ids[0] == tokenizer.bos_token_id and ids.count(tokenizer.bos_token_id) == 1 for ids in prompts)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1766,7 +1794,8 @@ def test_two_process_runs_write_every_metric(scale_runs, name):
     assert [m["episode"] for m in metrics] == [16, 32]  # 2 processes x 8 completions per update
     for m in metrics:
         assert set(METRIC_NAMES) <= set(m) and all(math.isfinite(m[n]) for n in METRIC_NAMES)
-    assert "1 CPU threads each" in scale_runs[1][name].stdout  # 2 cores shared by 2 processes on this machine
+    threads = max(1, len(os.sched_getaffinity(0)) // 2)  # the machine's cores, shared by the 2 local processes
+    assert f"2 processes, {threads} CPU threads each" in scale_runs[1][name].stdout
 
 
 @slow
@@ -1893,6 +1922,16 @@ def test_model_and_data_validation(workdir, tmp_path):
     short_reward = gpt2_reward_model(tmp_path / "short_reward", rloo.toy_tokenizer(), positions=48)
     message = run_main(tmp_path, reward_model_path=str(short_reward))  # the default --response-length is 53
     assert "--response-length" in message and "reward model's context of 48 tokens" in message
+    # a reward model that cannot score the prompts: its embeddings stop short of its tokenizer (tokens added, the
+    # embeddings never resized), so its forward fails; at start-up, not in update 1
+    from transformers import GPTNeoXForSequenceClassification
+
+    config = GPTNeoXForSequenceClassification.config_class.from_pretrained(workdir / "reward")
+    config.vocab_size = 20
+    GPTNeoXForSequenceClassification(config).save_pretrained(tmp_path / "small_vocab")
+    rloo.toy_tokenizer().save_pretrained(tmp_path / "small_vocab")
+    message = run_main(tmp_path, reward_model_path=str(tmp_path / "small_vocab"))
+    assert "--reward-model-path" in message and "cannot score with this model" in message
     # an output directory that cannot be written, or that is a file
     blocker = tmp_path / "a_file"
     blocker.write_text("")
@@ -1900,6 +1939,7 @@ def test_model_and_data_validation(workdir, tmp_path):
     assert "is a file" in run_main(tmp_path, output_dir=str(blocker))
 
 
+@slow
 def test_a_live_run_holds_its_output_dir(workdir, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
@@ -1963,6 +2003,17 @@ def test_read_checkpoint_finds_every_kind_of_damage(tmp_path):
     assert "random_states_0.pkl is unreadable" in problem("bad_rng", lambda p: garble(p / "random_states_0.pkl"))
     assert "model.safetensors is unreadable" in problem("bad_model", lambda p: garble(p / "model.safetensors"))
     assert "trainer_state.json" in problem("bad_state", lambda p: garble(p / "trainer_state.json"))
+
+
+def test_a_full_disk_is_named(tmp_path, monkeypatch):
+    # /dev/full fails every write with ENOSPC, as a full disk does; the device reports 0 bytes free
+    (tmp_path / "metrics.jsonl").symlink_to("/dev/full")
+    monkeypatch.setattr(rloo.shutil, "disk_usage", lambda path: types.SimpleNamespace(free=0))
+    run = types.SimpleNamespace(args=rloo.Args(output_dir=str(tmp_path)), write_error=None)
+    rloo.append_lines(run, "metrics.jsonl", [{"update": 1}])
+    assert run.write_error == "cannot append to metrics.jsonl: No space left on device (no space left on that device)"
+    monkeypatch.setattr(rloo.shutil, "disk_usage", lambda path: types.SimpleNamespace(free=300 * 2**20))
+    assert rloo.free_space(str(tmp_path)) == "300 MiB free on that device"
 
 
 def test_metrics_lines_cut_short_are_dropped(tmp_path):
@@ -2093,17 +2144,19 @@ def test_resume_validation(workdir, tmp_path):
 def test_preempted_run_resumes_bitwise(workdir, full_run, tmp_path):
     import resource
 
-    # the reward function sends SIGTERM to its own process during update 3 (call 1 is the start-up check)
-    proc = launch(workdir, tmp_path / "cut", *RESUME_FLAGS, env={"RLOO_TEST_KILL_AT": "4"}, check=False)
-    assert proc.returncode != 0 and "--resume-from-checkpoint latest" in proc.stderr
-    assert [m["update"] for m in read_metrics(tmp_path / "cut")] == [1, 2, 3]
-    assert (tmp_path / "cut" / "checkpoint-3").is_dir() and not (tmp_path / "cut" / "model.safetensors").exists()
+    # the reward function sends SIGTERM to its own process during update 2 (call 1 is the start-up check): the
+    # run stops after update 2 without the evaluation due then, which the resume owes
+    proc = launch(workdir, tmp_path / "cut", *RESUME_FLAGS, env={"RLOO_TEST_KILL_AT": "3"}, check=False)
+    assert proc.returncode != 0 and "--resume-from-checkpoint latest" in proc.stderr  # accelerate launch: 1
+    assert [m["update"] for m in read_metrics(tmp_path / "cut", "all")] == [1, 2]  # no evaluation record
+    assert (tmp_path / "cut" / "checkpoint-2").is_dir() and not (tmp_path / "cut" / "model.safetensors").exists()
     # a checkpoint left half-written by a kill while saving must be ignored by `latest`, and a metrics line cut
     # short by a crash while appending is dropped
     (tmp_path / "cut" / "checkpoint-5.tmp").mkdir()
     with open(tmp_path / "cut" / "metrics.jsonl", "a") as f:
-        f.write('{"update": 4, "epis')
-    # the disk fills up: files may not grow past 100 kB, so checkpoint-4 cannot be written
+        f.write('{"update": 3, "epis')
+    # the disk fills up: files may not grow past 100 kB, so checkpoint-4 cannot be written. This attempt first
+    # evaluates after update 2 (owed), then runs updates 3 and 4
     limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))  # noqa: E731
     proc = launch(
         workdir, tmp_path / "cut", *RESUME_FLAGS, "--resume-from-checkpoint", "latest", check=False, preexec_fn=limit
@@ -2111,11 +2164,14 @@ def test_preempted_run_resumes_bitwise(workdir, full_run, tmp_path):
     message = one_line_error(proc)
     assert "cannot write" in message and "checkpoint-4.tmp" in message and "free" in message
     assert not (tmp_path / "cut" / "checkpoint-4.tmp").exists()
-    assert rloo.read_checkpoint(str(tmp_path / "cut" / "checkpoint-3"))[1] is None  # the last one is intact
+    assert rloo.read_checkpoint(str(tmp_path / "cut" / "checkpoint-2"))[1] is None  # the last one is intact
+    assert [m["update"] for m in read_metrics(tmp_path / "cut", "eval")] == [2, 4]
     # resumed without --total-episodes: the checkpoint's value holds, not num_train_epochs x prompts
     without_total = [flag for flag in RESUME_FLAGS if flag not in ("--total-episodes", "48")]
     launch(workdir, tmp_path / "cut", *without_total, "--resume-from-checkpoint", "latest")
-    assert_resumed_run_matches(full_run, tmp_path / "cut")
+    assert_resumed_run_matches(full_run, tmp_path / "cut")  # the evaluation after update 2 is there once
+    full_completions = (full_run / "eval_completions.jsonl").read_text()
+    assert (tmp_path / "cut" / "eval_completions.jsonl").read_text() == full_completions
 
 
 @slow
@@ -2188,13 +2244,21 @@ def test_damaged_checkpoints(workdir, full_run, tmp_path, monkeypatch):
 
 
 @slow
-@pytest.mark.parametrize("failure", ["RLOO_TEST_RAISE_AT", "RLOO_TEST_EXIT_AT"])
-def test_a_failing_reward_function_stops_with_a_checkpoint(workdir, full_run, tmp_path, failure):
-    # the function fails in update 4: its calls are the start-up check, updates 1 and 2, the evaluation after
-    # update 2, update 3, then update 4 (call 6). Updates 1-3 are done, and checkpoint-3 keeps them
-    proc = launch(workdir, tmp_path / "out", *RESUME_FLAGS, env={failure: "6"}, check=False)
+@pytest.mark.parametrize(
+    "failure, call, checkpoint",
+    [
+        ("RLOO_TEST_RAISE_AT", "6", "checkpoint-3"),
+        ("RLOO_TEST_EXIT_AT", "6", "checkpoint-3"),
+        ("RLOO_TEST_RAISE_AT", "4", "checkpoint-2"),
+    ],
+)
+def test_a_failing_reward_function_stops_with_a_checkpoint(workdir, full_run, tmp_path, failure, call, checkpoint):
+    # the function's calls are the start-up check, updates 1 and 2, the evaluation after update 2, update 3, then
+    # update 4. Failing in update 4 (call 6): updates 1-3 are done, and checkpoint-3 keeps them. Failing in the
+    # evaluation (call 4): checkpoint-2, and the resume evaluates first
+    proc = launch(workdir, tmp_path / "out", *RESUME_FLAGS, env={failure: call}, check=False)
     message = one_line_error(proc)
-    assert "--reward-fn test_rewards:vowels raised" in message and "checkpoint-3" in message
+    assert "--reward-fn test_rewards:vowels raised" in message and checkpoint in message
     assert ("ValueError: the grader is down" if failure == "RLOO_TEST_RAISE_AT" else "SystemExit: 0") in message
     assert not (tmp_path / "out" / "model.safetensors").exists()
     launch(workdir, tmp_path / "out", *RESUME_FLAGS, "--resume-from-checkpoint", "latest")
