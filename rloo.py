@@ -4,7 +4,7 @@ Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization f
 For each prompt, sample k completions; each completion's advantage is its reward minus the mean reward of the
 other k-1 completions of the same prompt. No value network, no GAE: one policy, a frozen reference and a reward.
 
-    # the embedded toy task (a tiny random policy learns to write vowels): offline, about 30 s on 2 CPU cores
+    # the embedded toy task (a tiny random policy learns to write vowels): offline, about 40 s on 2 CPU cores
     accelerate launch rloo.py --rloo-k 4
     python rloo.py --rloo-k 4                                        # the same, one process, no launcher
 

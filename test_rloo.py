@@ -1,12 +1,12 @@
 """Tests of rloo.py.
 
 Unit tests (the sections without the `slow` mark) check the pure functions of the trainer against numbers derived
-by hand or from plain-Python loops written here, never against output copied from a run; the distributed statistics
-are checked with two gloo processes. End-to-end tests (marked `slow`) run rloo.py through `accelerate launch` in
-subprocesses: one process, and two processes under DeepSpeed ZeRO-3 and under DDP, on the CPU over gloo. No GPU, no
-network:
+by hand or from plain-Python loops written here, never against output copied from a run. Every test that starts a
+process is marked `slow`: the distributed statistics checked with two gloo processes, the command-line checks, and
+the end-to-end tests, which run rloo.py through `accelerate launch` in subprocesses: one process, and two processes
+under DeepSpeed ZeRO-3 and under DDP, on the CPU over gloo. No GPU, no network:
 
-    HF_HUB_OFFLINE=1 python -m pytest -q -m "not slow" test_rloo.py     # the unit tests, under a minute
+    HF_HUB_OFFLINE=1 python -m pytest -q -m "not slow" test_rloo.py     # the unit tests, under 20 seconds
     HF_HUB_OFFLINE=1 python -m pytest -q test_rloo.py                   # everything, as CI runs it
 """
 
