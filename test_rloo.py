@@ -3,8 +3,9 @@
 Unit tests (the sections without the `slow` mark) check the pure functions of the trainer against numbers derived
 by hand or from plain-Python loops written here, never against output copied from a run. Every test that starts a
 process is marked `slow`: the distributed statistics checked with two gloo processes, the command-line checks, and
-the end-to-end tests, which run rloo.py through `accelerate launch` in subprocesses: one process, and two processes
-under DeepSpeed ZeRO-3 and under DDP, on the CPU over gloo. No GPU, no network:
+the end-to-end tests, which run rloo.py in subprocesses: one process (`python rloo.py`, or the README's main command
+under `accelerate launch`), and two processes under DeepSpeed ZeRO-3 and under DDP through `accelerate launch`, on
+the CPU over gloo. No GPU, no network:
 
     HF_HUB_OFFLINE=1 python -m pytest -q -m "not slow" test_rloo.py     # the unit tests, under 20 seconds
     HF_HUB_OFFLINE=1 python -m pytest -q test_rloo.py                   # everything, as CI runs it
@@ -989,7 +990,8 @@ def test_import_runs_nothing(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# end to end: rloo.py through `accelerate launch` in a subprocess, offline, with tiny local models
+# end to end: rloo.py in a subprocess (one process: plain `python rloo.py`; otherwise, and for the README's main
+# command, `accelerate launch`), offline, with tiny local models
 
 METRIC_NAMES = [
     "objective/kl",
@@ -1163,8 +1165,9 @@ def workdir(tmp_path_factory):
 
 
 def launch(workdir, output, *flags, backend="single", env=None, check=True, pythonpath=None, preexec_fn=None):
-    """`accelerate launch rloo.py` in a subprocess: one process, or two under ZeRO-3 (ds_zero3.yaml), DDP, or
-    `--multi_gpu` alone, without ACCELERATE_USE_CPU (rloo.py must make it DDP on CPUs)."""
+    """rloo.py in a subprocess: one process without a launcher (`python rloo.py`, which the docstring documents;
+    the launcher's own start costs about 4 s), or under `accelerate launch`: one process ("accelerate"), two under
+    ZeRO-3 (ds_zero3.yaml), DDP, or `--multi_gpu` alone, without ACCELERATE_USE_CPU (rloo.py must make it DDP)."""
     command = [
         sys.executable,
         "-m",
@@ -1177,7 +1180,9 @@ def launch(workdir, output, *flags, backend="single", env=None, check=True, pyth
         "no",
     ]
     run_env = subprocess_env(pythonpath=pythonpath or workdir, **(env or {}))
-    if backend == "zero3":
+    if backend == "single":
+        command = [sys.executable]
+    elif backend == "zero3":
         command += ["--config_file", str(ROOT / "ds_zero3.yaml"), "--num_processes", "2"]
     elif backend in ("ddp", "multi_gpu"):
         command += ["--multi_gpu", "--num_processes", "2"]
@@ -1186,7 +1191,7 @@ def launch(workdir, output, *flags, backend="single", env=None, check=True, pyth
         else:
             run_env.pop("ACCELERATE_USE_CPU", None)
     else:
-        command += ["--num_processes", "1"]
+        command += ["--num_processes", "1"]  # "accelerate"
     command += [RLOO_PY, "--output-dir", str(output), *flags]
     proc = subprocess.run(
         command, cwd=workdir, env=run_env, capture_output=True, text=True, timeout=900, preexec_fn=preexec_fn
@@ -1220,7 +1225,9 @@ def load_weights(directory):
 
 @slow
 def test_toy_run_writes_every_metric(workdir, tmp_path):
-    proc = launch(workdir, tmp_path / "out", "--rloo-k", "4", *SHORT[:-4], "--num-sample-generations", "2")
+    # the README's main command: under `accelerate launch`
+    flags = ["--rloo-k", "4", *SHORT[:-4], "--num-sample-generations", "2"]
+    proc = launch(workdir, tmp_path / "out", *flags, backend="accelerate")
     metrics = read_metrics(tmp_path / "out")
     assert [m["update"] for m in metrics] == [1, 2, 3, 4]
     assert [m["episode"] for m in metrics] == [8, 16, 24, 32]
@@ -2147,7 +2154,7 @@ def test_preempted_run_resumes_bitwise(workdir, full_run, tmp_path):
     # the reward function sends SIGTERM to its own process during update 2 (call 1 is the start-up check): the
     # run stops after update 2 without the evaluation due then, which the resume owes
     proc = launch(workdir, tmp_path / "cut", *RESUME_FLAGS, env={"RLOO_TEST_KILL_AT": "3"}, check=False)
-    assert proc.returncode != 0 and "--resume-from-checkpoint latest" in proc.stderr  # accelerate launch: 1
+    assert proc.returncode == 143 and "--resume-from-checkpoint latest" in proc.stderr
     assert [m["update"] for m in read_metrics(tmp_path / "cut", "all")] == [1, 2]  # no evaluation record
     assert (tmp_path / "cut" / "checkpoint-2").is_dir() and not (tmp_path / "cut" / "model.safetensors").exists()
     # a checkpoint left half-written by a kill while saving must be ignored by `latest`, and a metrics line cut
