@@ -1370,7 +1370,8 @@ def start_lineage(run, resume_dir):
             abandon_after(out, update, metrics, evaluations)
         evaluated = any(r["update"] == update and "eval/scores" in r for r in metrics)
         owed = eval_due(run.args, update) and not evaluated
-        evaluations = [r for r in evaluations if not (owed and r["update"] == update)]  # of a cut-short one
+        # completions of an owed evaluation were written by one cut short before its metrics record: drop them
+        evaluations = [r for r in evaluations if not (owed and r["update"] == update)]
         for name, records in [("metrics.jsonl", metrics), ("eval_completions.jsonl", evaluations)]:
             path = os.path.join(out, name)
             with open(path + ".tmp", "w") as f:  # the updates the checkpoint holds, no more; replaced whole
