@@ -4,216 +4,117 @@ Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization f
 For each prompt, sample k completions; each completion's advantage is its reward minus the mean reward of the
 other k-1 completions of the same prompt. No value network, no GAE: one policy, a frozen reference and a reward.
 
-    # the embedded toy task (a tiny random policy learns to write vowels): offline, about 40 s on 2 CPU cores
+    # the embedded toy task (a tiny random policy learns to write vowels): offline, under a minute on 2 CPU cores
     accelerate launch rloo.py --rloo-k 4
     python rloo.py --rloo-k 4                                        # the same, one process, no launcher
 
-    # a real run: Pythia-1B on TL;DR, DeepSpeed ZeRO-3 on 8 GPUs (README.md has the full recipe)
-    accelerate launch --config_file ds_zero3.yaml rloo.py \
-        --sft-model-path cleanrl/EleutherAI_pythia-1b-deduped__sft__tldr \
-        --reward-model-path cleanrl/EleutherAI_pythia-1b-deduped__reward__tldr \
-        --dataset-name trl-internal-testing/tldr-preference-sft-trl-style --dataset-text-field prompt \
-        --rloo-k 2 --learning-rate 3e-6 --per-device-train-batch-size 16 --gradient-accumulation-steps 4 \
-        --total-episodes 1000000 --stop-token eos --missing-eos-penalty 1.0 --response-length 53
-
-    # CPUs only: two processes of ZeRO-3 over gloo
+    # DeepSpeed ZeRO-3 on 8 GPUs (README.md has the full recipes), or on 2 CPU processes over gloo
+    accelerate launch --config_file ds_zero3.yaml rloo.py --sft-model-path MODEL --reward-model-path REWARD_MODEL ...
     accelerate launch --config_file ds_zero3.yaml --num_processes 2 --mixed_precision no rloo.py
 
-How to read it: `Args` (every flag); the ALGO LOGIC helpers, each with its equation; the toy task; `train`, the
-loop, steps 1-10 in the algorithm's order: rollout -> truncation -> log-probs -> reward -> missing-EOS penalty ->
-reward normalization and clipping -> KL -> leave-one-out advantages -> clipped update epochs -> metrics. Everything
-after the PLUMBING marker (setup, checkpoints, metric reduction, reports) can be skipped on a first read.
+How to read it: `Args` (every flag; `python rloo.py --help`); the ALGO LOGIC helpers, each with its equation; the
+toy task; `train`, the loop, steps 1-10 in the algorithm's order. Everything after the PLUMBING marker (setup,
+checkpoints, metrics, reports) can be skipped on a first read: nothing there changes what an update computes.
 """
 
 import contextlib
+import fcntl
 import functools
-import glob
 import importlib
-import importlib.util
 import inspect
 import json
+import logging
 import math
 import os
-import random
-import re
 import resource
 import shutil
 import signal
-import socket
 import sys
 import time
 import warnings
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Optional
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import tyro
-from tyro.conf import Suppress
+from accelerate import Accelerator
+from accelerate.utils import InitProcessGroupKwargs, gather_object, set_seed
+from tokenizers import Tokenizer, decoders, models
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    GPTNeoXConfig,
+    PreTrainedTokenizerFast,
+)
 
 
 @dataclass
 class Args:
-    # ---- experiment
-    exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """the name of this experiment"""
-    run_name: Optional[str] = None
-    """a unique name for this run; None: `{exp_name}__{seed}__{unix time}`"""
-    seed: int = 42
-    """seed of the run; rank r samples with seed + 100003 r"""
-    output_dir: Optional[str] = None
-    """where metrics, checkpoints and the final model go; None: `runs/{run_name}`"""
-    report_to: Literal["none", "tensorboard", "wandb"] = "none"
-    """also log metrics to this tracker (through accelerate)"""
-    push_to_hub: bool = False
-    """push the final model to the Hugging Face hub"""
-    hub_model_id: Optional[str] = None
-    """the hub repository to push to; None: the run name"""
+    """Every flag (`--help`), with TRL's names and defaults: experiment, models and data, rollout, RLOO, optimization,
+    LoRA, held-out evaluation, checkpoints."""
 
-    # ---- models and data
-    sft_model_path: Optional[str] = None
-    """the policy to fine-tune: a hub id or a local directory; None: the embedded toy policy"""
-    reward_model_path: Optional[str] = None
-    """the reward model (a sequence classifier with one label): a hub id or a local directory"""
-    reward_fn: Optional[list[str]] = None
-    """reward functions, each `module:function`: fn(prompts, completions, **columns) -> list[float], given the
-    dataset's other columns that it names (README: "Reward functions"); with no reward model: the toy's reward"""
-    reward_weights: Optional[list[float]] = None
-    """one weight per reward source, the reward model first, then each reward function; None: 1.0 each"""
-    trust_remote_code: bool = False
-    """allow models and tokenizers with custom code"""
-    dataset_name: Optional[str] = None
-    """prompts: a hub dataset, a local dataset directory or a .jsonl file; None: the toy prompts"""
-    dataset_split: str = "train"
-    """the split of the dataset to train on"""
-    dataset_text_field: str = "prompt"
-    """the field holding each prompt: a string, or a list of chat messages rendered with the chat template"""
-    max_prompt_length: int = 512
-    """prompts with more tokens than this are left out"""
-
-    # ---- rollout
-    response_length: int = 53
-    """the most tokens sampled per completion"""
-    stop_token: Optional[Literal["eos"]] = None
-    """`eos`: stop a completion at the tokenizer's eos token (and truncate after it)"""
-    stop_token_id: Optional[int] = None
-    """stop a completion at this token id (`--stop-token eos` sets it to the eos id)"""
-    temperature: float = 0.7
-    """sampling temperature; log-probs are computed from logits divided by it too"""
-    missing_eos_penalty: Optional[float] = None
-    """subtracted from the score of completions that never produced the stop token (0 or more)"""
-    local_rollout_forward_batch_size: int = 64
-    """completions generated and scored per forward pass during the rollout"""
-
-    # ---- RLOO
-    rloo_k: int = 2
-    """completions sampled per prompt (the k of RLOO)"""
-    kl_coef: float = 0.05
-    """weight of the KL penalty against the reference policy"""
-    token_level_kl: bool = False
-    """put the KL penalty on each token's advantage (True) or into the sequence reward (False)"""
-    normalize_reward: bool = False
-    """z-score the scores over the global batch"""
-    reward_clip_range: float = 10.0
-    """clip the scores to [-c, c]"""
-    whiten_rewards: bool = False
-    """divide the rewards entering the baseline by their standard deviation over the global batch"""
-    normalize_advantage: bool = False
-    """z-score the advantages over the global batch"""
-
-    # ---- optimization
-    total_episodes: Optional[int] = None
-    """completions to train on; None: num_train_epochs x the number of prompts"""
-    num_train_epochs: float = 3.0
-    """sets total_episodes = num_train_epochs x the number of prompts when it is not given (TRL's convention); an
-    episode is one completion, so that is num_train_epochs / rloo_k passes over the prompts"""
-    per_device_train_batch_size: int = 8
-    """completions per micro-batch on each process"""
-    gradient_accumulation_steps: int = 1
-    """micro-batches accumulated into each optimizer step"""
-    num_mini_batches: int = 1
-    """optimizer steps per epoch over the rollout batch"""
-    num_ppo_epochs: int = 4
-    """passes over each rollout batch"""
-    learning_rate: Optional[float] = None
-    """AdamW learning rate, decayed linearly to 0; None: 1e-3 for the toy policy, TRL's 5e-5 for any other"""
-    cliprange: float = 0.2
-    """the PPO clip range epsilon of the probability ratio"""
-    max_grad_norm: float = 1.0
-    """clip the gradient norm to this before each optimizer step; 0: no clipping"""
-    cpu_threads: Optional[int] = None
-    """threads per process on a machine without CUDA; None: the machine's cores shared among its processes
-    (accelerate launch sets OMP_NUM_THREADS=1, which this overrides)"""
-    gradient_checkpointing: bool = False
-    """recompute activations in the backward pass to save memory"""
-    ds3_gather_for_generation: bool = True
-    """under ZeRO-3, gather the policy's weights once for generation (False: generate on the sharded model)"""
-    num_sample_generations: int = 10
-    """print a table of prompts, completions and scores this many times per run"""
-
-    # ---- LoRA (peft), with TRL's ModelConfig names
-    use_peft: bool = False
-    """train LoRA adapters on the frozen policy; the reference is that policy with its adapters switched off, so no
-    second copy of the model is loaded"""
-    lora_r: int = 16
-    """the rank of each adapter"""
-    lora_alpha: int = 32
-    """the adapters' scale is lora_alpha / lora_r"""
-    lora_dropout: float = 0.05
-    """kept for TRL's config: rloo.py turns every dropout off, LoRA's too, since the rollout's log-probs and the
-    update's must come from the same function"""
-    lora_target_modules: Optional[list[str]] = None
-    """the modules (names or name suffixes) that get adapters; None: every linear layer but the output head"""
-    lora_task_type: str = "CAUSAL_LM"
-    """peft's task type of the policy"""
-    merge_adapter: bool = False
-    """also save the policy with its adapters merged in, as a plain model in output_dir/merged"""
-
-    # ---- held-out evaluation
-    eval_steps: int = 0
-    """evaluate every this many updates and after the last; 0: never"""
-    eval_dataset_name: Optional[str] = None
-    """held-out prompts: a hub dataset, a local dataset directory or a .jsonl file; None: --dataset-name"""
-    eval_split: str = "test"
-    """the split of the evaluation dataset (a .jsonl file has none)"""
-    num_eval_prompts: Optional[int] = None
-    """evaluate on the first N prompts of the evaluation dataset; None: all"""
-    eval_temperature: float = 0.0
-    """0: greedy decoding; above 0: sampling at this temperature, from a random stream of its own"""
-
-    # ---- checkpoints
-    save_steps: int = 500
-    """write a checkpoint every this many updates (and at the end)"""
-    save_total_limit: Optional[int] = None
-    """keep only the newest N checkpoints; None: keep all"""
-    resume_from_checkpoint: Optional[str] = None
-    """continue from a checkpoint directory, or `latest` (the newest intact one in output_dir)"""
-    overwrite_output_dir: bool = False
-    """start a new run in an output_dir that holds another run's metrics and checkpoints, deleting them"""
-
-    # ---- derived by resolve_args from the flags above (TRL's names); not set on the command line
-    world_size: Suppress[int] = 1
-    """processes in the run"""
-    local_batch_size: Suppress[int] = 0
-    """completions per update on each process: per_device_train_batch_size x gradient_accumulation_steps x
-    num_mini_batches"""
-    batch_size: Suppress[int] = 0
-    """completions per update, over every process"""
-    local_dataloader_batch_size: Suppress[int] = 0
-    """prompts per update on each process (B): local_batch_size / rloo_k"""
-    num_total_batches: Suppress[int] = 0
-    """updates in the run: ceil(total_episodes / batch_size)"""
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]  # the name of this experiment
+    run_name: Optional[str] = None  # a unique name for this run; None: `{exp_name}__{seed}__{unix time}`
+    seed: int = 42  # seed of the run; rank r samples with seed + 100003 r
+    output_dir: Optional[str] = None  # where everything goes; None: `runs/{run_name}`, or the checkpoint's directory
+    report_to: Literal["none", "tensorboard", "wandb"] = "none"  # also log metrics to this tracker
+    sft_model_path: Optional[str] = None  # the policy: a hub id or a local directory; None: the toy policy
+    reward_model_path: Optional[str] = None  # a sequence classifier with one label: a hub id or a local directory
+    reward_fn: Optional[list[str]] = None  # `module:function`s, called fn(prompts, completions, **columns)
+    reward_weights: Optional[list[float]] = None  # one per reward source, the reward model's first; None: 1.0 each
+    trust_remote_code: bool = False  # allow models and tokenizers with custom code
+    dataset_name: Optional[str] = None  # prompts: a hub dataset, a dataset directory or a .jsonl file; None: toy
+    dataset_split: str = "train"  # the split of the dataset to train on
+    dataset_text_field: str = "prompt"  # the field holding each prompt: text, or a list of chat messages
+    max_prompt_length: int = 512  # prompts with more tokens than this are left out
+    response_length: int = 53  # the most tokens sampled per completion
+    stop_token: Optional[Literal["eos"]] = None  # `eos`: stop a completion at the eos token (and cut after it)
+    stop_token_id: Optional[int] = None  # stop a completion at this token id
+    temperature: float = 0.7  # sampling temperature; log-probs are computed from logits divided by it too
+    missing_eos_penalty: Optional[float] = None  # subtracted from the scores of completions without the stop token
+    local_rollout_forward_batch_size: int = 64  # completions per forward pass in generation and scoring
+    rloo_k: int = 2  # completions sampled per prompt (the k of RLOO)
+    kl_coef: float = 0.05  # weight of the KL penalty against the reference policy
+    token_level_kl: bool = False  # the KL penalty on each token's advantage (True), or in the sequence reward
+    normalize_reward: bool = False  # z-score the scores over the global batch
+    reward_clip_range: float = 10.0  # clip the scores to [-c, c]
+    whiten_rewards: bool = False  # divide the rewards entering the baseline by their standard deviation
+    normalize_advantage: bool = False  # z-score the advantages over the global batch
+    total_episodes: Optional[int] = None  # completions to train on; None: num_train_epochs x the prompts
+    num_train_epochs: float = 3.0  # sets total_episodes when it is not given (TRL's convention)
+    per_device_train_batch_size: int = 8  # completions per micro-batch on each process
+    gradient_accumulation_steps: int = 1  # micro-batches accumulated into each optimizer step
+    num_mini_batches: int = 1  # optimizer steps per epoch over the rollout batch
+    num_ppo_epochs: int = 4  # passes over each rollout batch
+    learning_rate: Optional[float] = None  # AdamW's, decayed linearly to 0; None: 1e-3 for the toy, else 5e-5
+    cliprange: float = 0.2  # the PPO clip range epsilon of the probability ratio
+    max_grad_norm: float = 1.0  # clip the gradient norm to this before each optimizer step; 0: no clipping
+    cpu_threads: Optional[int] = None  # threads per process without CUDA; None: the cores shared by the processes
+    gradient_checkpointing: bool = False  # recompute activations in the backward pass to save memory
+    ds3_gather_for_generation: bool = True  # ZeRO-3: gather the weights once for generation, or sample sharded
+    num_sample_generations: int = 10  # print a table of prompts, completions and scores this many times
+    use_peft: bool = False  # train LoRA adapters; the reference is the policy with its adapters off
+    lora_r: int = 16  # the rank of each adapter
+    lora_alpha: int = 32  # the adapters' scale is lora_alpha / lora_r
+    lora_dropout: float = 0.05  # kept for TRL's config; unused: rloo.py turns every dropout off
+    lora_target_modules: Optional[list[str]] = None  # modules that get adapters; None: every linear layer but the head
+    lora_task_type: str = "CAUSAL_LM"  # peft's task type of the policy
+    eval_steps: int = 0  # evaluate every this many updates and after the last; 0: never
+    eval_dataset_name: Optional[str] = None  # held-out prompts, as --dataset-name; None: --dataset-name
+    eval_split: str = "test"  # the split of the evaluation dataset (a .jsonl file has none)
+    num_eval_prompts: Optional[int] = None  # evaluate on the first N prompts; None: all
+    eval_temperature: float = 0.0  # 0: greedy decoding; above 0: sampling, from a random stream of its own
+    save_steps: int = 500  # write a checkpoint every this many updates (and at the end)
+    save_total_limit: Optional[int] = None  # keep only the newest N checkpoints; None: keep all
+    resume_from_checkpoint: Optional[str] = None  # a checkpoint directory, or `latest` (the newest in output_dir)
+    overwrite_output_dir: bool = False  # start over in an output_dir that holds a run, deleting it
+    # set by resolve_args, not flags: world_size, local_batch_size, batch_size, local_dataloader_batch_size (B), ...
 
 
-# the toy task: lowercase vowels are what the reward counts
-TOY_VOWELS = set("aeiou")
-
-
-class ArgumentError(SystemExit):
-    """Bad input: a one-line message naming the flag, a non-zero exit, no traceback."""
-
+class ArgumentError(SystemExit):  # bad input: a one-line message naming the flag, a non-zero exit, no traceback
     def __init__(self, message):
         super().__init__(f"rloo.py: error: {message}")
 
@@ -230,23 +131,14 @@ def first_true_indices(bools):
 
 
 def truncate_response(responses, stop_token_id, pad_token_id):
-    """Cut each response after its first stop token (kept) and fill the rest with pad.
-
-    Returns (responses, response_mask), both (N, T). The mask comes from positions, never from comparing ids
-    with the pad id, so a tokenizer whose pad is its eos works too."""
+    """Cut each response after its first stop token (kept) and fill the rest with pad: (responses, response_mask),
+    (N, T). The mask comes from positions, not from comparing ids with the pad id, so pad == eos works too."""
     T = responses.shape[1]
     lengths = torch.full((responses.shape[0],), T, device=responses.device)
     if stop_token_id is not None:
         lengths = torch.clamp(first_true_indices(responses == stop_token_id) + 1, max=T)
     response_mask = torch.arange(T, device=responses.device)[None, :] < lengths[:, None]
     return torch.where(response_mask, responses, pad_token_id), response_mask
-
-
-def has_stop_token(responses, response_mask, stop_token_id):
-    """(N,) whether each completion produced the stop token (all False without one)."""
-    if stop_token_id is None:
-        return torch.zeros(len(responses), dtype=torch.bool, device=responses.device)
-    return ((responses == stop_token_id) & response_mask).any(1)
 
 
 def all_reduce_sum(tensor):
@@ -275,8 +167,7 @@ def whiten(values, mask=None, shift_mean=True):
 
 
 def rloo_advantages(rewards, rloo_k):
-    """Leave-one-out advantages of rewards (k*B,) laid out k-major: row i*B + j is sample i of prompt j.
-
+    """Leave-one-out advantages of rewards (k*B,) laid out k-major (row i*B + j is sample i of prompt j):
     A_i = r_i - (sum_j r_j - r_i) / (k - 1), the sums over the k samples of the same prompt. The baseline leaves
     the sample itself out, so it does not depend on that sample's action and the gradient estimate stays unbiased."""
     rewards = rewards.view(rloo_k, -1)  # (k, B)
@@ -291,13 +182,8 @@ def log_ratio(new_logprobs, old_logprobs, response_mask, sequence_level):
     return diff.sum(1) if sequence_level else diff
 
 
-def masked_mean(values, mask):
-    return torch.where(mask, values, 0.0).sum() / mask.sum().clamp(min=1)
-
-
 def policy_loss(new_logprobs, old_logprobs, advantages, response_mask, cliprange):
     """The PPO-clip surrogate: loss = max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps)).
-
     advantages (N,): sequence mode, ratio = exp(sum_t (logp_t - old_logp_t)), averaged over sequences.
     advantages (N, T): token mode, ratio_t = exp(logp_t - old_logp_t), averaged over real tokens.
     Returns (loss, clipfrac): clipfrac is the fraction of terms where the clipped side is the larger."""
@@ -308,16 +194,16 @@ def policy_loss(new_logprobs, old_logprobs, advantages, response_mask, cliprange
     losses, is_clipped = torch.max(unclipped, clipped), (clipped > unclipped).float()
     if sequence_level:
         return losses.mean(), is_clipped.mean()
-    return masked_mean(losses, response_mask), masked_mean(is_clipped, response_mask)
+    masked_mean = lambda values: torch.where(response_mask, values, 0.0).sum() / response_mask.sum().clamp(min=1)
+    return masked_mean(losses), masked_mean(is_clipped)
 
 
 def token_level_advantages(scores, kl, response_mask, kl_coef, rloo_k, whiten_rewards=False):
-    """Token-mode advantages (N, T): A_t = LOO(score) - kl_coef * sum_{t' >= t} kl_t'.
-
-    Each token pays its own KL and those after it (its return-to-go), while the score gets the leave-one-out
-    baseline. With whiten_rewards, the per-token rewards r_t = -kl_coef * kl_t (+ score at the last token) are
-    divided by their standard deviation over the real tokens of the global batch, and not shifted: the advantages
-    become the plain ones times 1/std (README: "Whitening in token mode" says why not shifted)."""
+    """Token-mode advantages (N, T): A_t = LOO(score) - kl_coef * sum_{t' >= t} kl_t'. Each token pays its own KL and
+    those after it (its return-to-go), while the score gets the leave-one-out baseline. With whiten_rewards, the
+    per-token rewards r_t = -kl_coef * kl_t (+ score at the last token) are divided by their standard deviation over the
+    real tokens of the global batch, and not shifted (a shift would add a constant per token, which the KL-to-go sums
+    into a reward for length): the advantages times 1/std."""
     non_score = torch.where(response_mask, -kl_coef * kl, 0.0)  # (N, T)
     if whiten_rewards:
         last = response_mask.sum(1) - 1
@@ -348,192 +234,137 @@ def logprobs_from_logits(logits, tokens, temperature, with_entropy=False):
 def forward_logprobs(model, query_responses, attention_mask, context_length, temperature, with_entropy=False):
     """Log-probs (N, T) of the response tokens query_responses[:, context_length:] under `model`.
     Only the T + 1 last positions get logits (`logits_to_keep`): the prompt positions need no vocabulary matmul."""
-    # left padding: positions count real tokens only, as they did during generation
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # left padding: count real tokens, as generation did
     T = query_responses.shape[1] - context_length
-    logits = model(
-        input_ids=query_responses,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        logits_to_keep=T + 1,
-        use_cache=False,
-    ).logits[:, :-1]  # (N, T, V): logits at position p predict token p + 1
+    inputs = dict(input_ids=query_responses, attention_mask=attention_mask, position_ids=position_ids)
+    logits = model(**inputs, logits_to_keep=T + 1, use_cache=False).logits[:, :-1]  # (N, T, V): p predicts p + 1
     return logprobs_from_logits(logits, query_responses[:, context_length:], temperature, with_entropy)
 
 
 def batched_logprobs(model, query_responses, attention_mask, context_length, temperature, rows):
     """forward_logprobs in chunks of `rows` completions, concatenated: (N, T)."""
-    chunks = [
-        forward_logprobs(
-            model, query_responses[i : i + rows], attention_mask[i : i + rows], context_length, temperature
-        )
-        for i in range(0, len(query_responses), rows)
-    ]
-    return torch.cat([logprobs for logprobs, _ in chunks])
+    chunks = zip(query_responses.split(rows), attention_mask.split(rows))
+    return torch.cat([forward_logprobs(model, ids, mask, context_length, temperature)[0] for ids, mask in chunks])
 
 
-def get_reward(reward_model, query_responses, attention_mask, last_index):
-    """The reward model's value at the last real token of each prompt+response: its backbone's hidden states,
-    its `score` head, then one position per row (a sequence classifier's own pooling looks for the pad id)."""
+def get_reward(reward_model, input_ids, attention_mask, last_index):
+    """The reward model's value (N,) for each sequence. A decoder classifier (a `score` head) is read at last_index:
+    its backbone's hidden state there, through the head (its own pooling looks for the pad id, which may be eos).
+    An encoder (BERT, RoBERTa, DeBERTa...) pools its first token in its own forward."""
+    if not hasattr(reward_model, "score"):
+        return reward_model(input_ids=input_ids, attention_mask=attention_mask).logits[:, 0].float()
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
     backbone = getattr(reward_model, reward_model.base_model_prefix)
-    hidden = backbone(input_ids=query_responses, attention_mask=attention_mask, position_ids=position_ids)
-    rows = torch.arange(len(query_responses), device=query_responses.device)
-    values = reward_model.score(hidden.last_hidden_state[rows, last_index.to(rows.device)])  # (N, 1)
-    return values.squeeze(-1).float()
+    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+    rows = torch.arange(len(input_ids), device=input_ids.device)
+    return reward_model.score(hidden.last_hidden_state[rows, last_index.to(rows.device)]).squeeze(-1).float()
 
 
 @torch.no_grad()
-def generate(model, queries, query_mask, response_length, temperature, stop_token_id, pad_token_id, synced):
-    """Sample up to response_length tokens per row with a KV cache: softmax(logits / temperature), no top-k or
-    top-p; temperature 0 is greedy decoding. Rows that produced the stop token get pad afterwards; sampling ends once
-    every row has stopped (on every rank when `synced`: a ZeRO-3 sharded model needs all ranks in each forward)."""
-    position_ids = (query_mask.cumsum(1) - 1).clamp(min=0)
-    output = model(
-        input_ids=queries, attention_mask=query_mask, position_ids=position_ids, use_cache=True, logits_to_keep=1
-    )
-    attention_mask, done, tokens = query_mask, torch.zeros(len(queries), dtype=torch.bool, device=queries.device), []
-    for _ in range(response_length):
+def generate(model, queries, query_mask, length, temperature, stop_token_id, pad_token_id, synced, generator=None):
+    """Sample up to `length` tokens per row with a KV cache: softmax(logits / temperature), no top-k or top-p;
+    temperature 0 is greedy decoding. Rows that produced the stop token get pad afterwards; sampling ends once every
+    row has stopped (on every rank when `synced`: a ZeRO-3 sharded model needs all ranks in each forward)."""
+    input_ids, attention_mask, position_ids, cache = queries, query_mask, (query_mask.cumsum(1) - 1).clamp(min=0), None
+    done, tokens = torch.zeros(len(queries), dtype=torch.bool, device=queries.device), []
+    while len(tokens) < length:
+        inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache)
+        output = model(**inputs, use_cache=True, logits_to_keep=1)
         logits = output.logits[:, -1].float()  # (N, V)
         if temperature == 0:
             sampled = logits.argmax(-1)
         else:
             probs = torch.softmax(logits / temperature, dim=-1)
-            # a diverged policy (or a vanishing temperature) gives NaN: such rows sample uniformly, and the
-            # update's non-finite guard skips them
+            # a diverged policy (or a vanishing temperature) gives NaN: sample uniformly; the guard skips the update
             probs = torch.where(torch.isfinite(probs).all(-1, keepdim=True), probs, 1.0)
-            sampled = torch.multinomial(probs, 1).squeeze(1)
-        token = torch.where(done, pad_token_id, sampled)
-        tokens.append(token)
+            sampled = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+        tokens.append(torch.where(done, pad_token_id, sampled))
         if stop_token_id is not None:
-            done = done | (token == stop_token_id)
+            done = done | (tokens[-1] == stop_token_id)
             running = (~done).sum()  # one host sync per token, as in HF generate
             if (all_reduce_sum(running) if synced else running).item() == 0:
                 break
-        if len(tokens) == response_length:
-            break
+        input_ids, position_ids, cache = tokens[-1][:, None], position_ids[:, -1:] + 1, output.cache
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(queries), 1)], 1)
-        position_ids = position_ids[:, -1:] + 1
-        output = model(
-            input_ids=token[:, None],
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            cache=output.cache,
-            use_cache=True,
-        )
-    return torch.stack(tokens, 1)  # (N, t <= response_length)
+    return torch.stack(tokens, 1)  # (N, t <= length)
 
 
-def rollout(model, queries, query_mask, args, temperature, pad_token_id, synced):
-    """Step 1: a completion (N, response_length) for every query row, `local_rollout_forward_batch_size` rows per
-    generate call, padded to response_length."""
-    responses, chunk, length = [], args.local_rollout_forward_batch_size, args.response_length
-    for i in range(0, len(queries), chunk):
-        tokens = generate(
-            model,
-            queries[i : i + chunk],
-            query_mask[i : i + chunk],
-            length,
-            temperature,
-            args.stop_token_id,
-            pad_token_id,
-            synced,
-        )
-        responses.append(F.pad(tokens, (0, length - tokens.shape[1]), value=pad_token_id))
-    return torch.cat(responses)
+def rollout(run, queries, query_mask, temperature, generator=None):
+    """Steps 1-2: sample a completion for every query row, local_rollout_forward_batch_size rows per generate call;
+    cut each after its stop token; drop the columns where every completion had stopped. (N, T) responses and mask."""
+    length, stop, pad = run.args.response_length, run.args.stop_token_id, run.tokenizer.pad_token_id
+    responses, chunk = [], run.args.local_rollout_forward_batch_size
+    with generation_context(run) as (model, synced):
+        for ids, mask in zip(queries.split(chunk), query_mask.split(chunk)):
+            tokens = generate(model, ids, mask, length, temperature, stop, pad, synced, generator)
+            responses.append(F.pad(tokens, (0, length - tokens.shape[1]), value=pad))
+    responses, response_mask = truncate_response(torch.cat(responses), stop, pad)
+    T = int(response_mask.sum(1).max())
+    return responses[:, :T], response_mask[:, :T]
 
 
 @dataclass
-class RewardSource:
-    """One term of the score: a reward function, or a reward model (with its own tokenizer when it re-encodes)."""
-
+class RewardSource:  # one term of the score: a reward function, or a reward model (own tokenizer: it re-encodes)
     name: str  # for the metric rewards/<name>
     flag: str  # for error messages: `--reward-fn module:function` or `--reward-model-path PATH`
     weight: float = 1.0
     fn: Any = None
     model: Any = None
     tokenizer: Any = None  # None: the reward model reads the policy's token ids (same vocabulary, a decoder)
-    decoder: bool = True  # a decoder classifier, read at the last token; else an encoder, which pools on its own
     context: Optional[int] = None  # a reward model's positions (max_position_embeddings)
 
 
+@torch.no_grad()
 def score_completions(run, rows, query_responses, attention_mask, context_length, response_mask):
-    """Step 4: score = sum_s weight_s * reward_s for each completion (k*B,), and each source's rewards by name.
-
-    A reward function gets the prompts as the dataset holds them (text, or chat messages), the decoded completions,
-    and as keyword lists aligned with them the dataset's other columns that it accepts. A reward model is read at
-    the last real token: on the policy's token ids when it shares their vocabulary, else on prompt + completion
-    rendered by its own tokenizer (render_for_reward)."""
+    """Steps 4-5: score = sum_s weight_s * reward_s for each completion, minus missing_eos_penalty for completions that
+    never produced the stop token. Returns the scores (N,) and each source's rewards (N,) by name. A reward function
+    gets the prompts as the dataset holds them, the decoded completions, and the dataset's other columns
+    (call_reward_fn). A reward model is read at the last real token: on the policy's token ids when it shares their
+    vocabulary, else on prompt + completion rendered by its own tokenizer (render_for_reward)."""
     args, device = run.args, query_responses.device
     responses = query_responses[:, context_length:]
-    prompts = [row[args.dataset_text_field] for row in rows]  # one row per completion
-    columns = {name: [row.get(name) for row in rows] for name in rows[0] if name != args.dataset_text_field}
     completions = run.tokenizer.batch_decode(responses, skip_special_tokens=True)
-    if any(source.tokenizer is not None for source in run.reward_sources):  # re-encoding adds eos where it stopped
-        stopped = has_stop_token(responses, response_mask, args.stop_token_id).tolist()
+    stopped = ((responses == args.stop_token_id) & response_mask).any(1)  # (N,) (all False without a stop token)
     rewards = {}
     for source in run.reward_sources:
         if source.fn is not None:
-            try:
-                values = call_reward_fn(source, prompts, completions, columns)
-            except RewardError as error:  # the run stops at the non-finite guard, on every rank together
-                run.reward_error, values = str(error), [math.nan] * len(completions)
+            values = call_reward_fn(source, rows, completions, args.dataset_text_field)
             rewards[source.name] = torch.tensor(values, dtype=torch.float, device=device)
             continue
+        model = run.accelerator.unwrap_model(source.model)
         ids, mask, last_index = query_responses, attention_mask, context_length + response_mask.sum(1) - 1
-        overflow = False
         if source.tokenizer is not None:  # re-encoded: left-padded for a decoder, so that the last token is last
-            encoded = [render_for_reward(source.tokenizer, *row) for row in zip(prompts, completions, stopped)]
-            ids, mask = (t.to(device) for t in pad_batch(encoded, source.tokenizer.pad_token_id, left=source.decoder))
-            overflow = source.context is not None and ids.shape[1] > source.context  # beyond its positions
-            if overflow:
-                run.reward_error = (
-                    f"{source.flag}: a prompt + completion re-encoded for the reward model is {ids.shape[1]} tokens, "
-                    f"beyond its context of {source.context}; use a reward model with a longer context, or start a new "
-                    "run with lower --max-prompt-length or --response-length"
-                )
-                # the forward still runs, cut to fit, so that a sharded model's collectives stay in step on every
-                # rank; the guard then stops the run
-                kept = slice(-source.context, None) if source.decoder else slice(0, source.context)
-                ids, mask = ids[:, kept], mask[:, kept]
+            texts = zip([row[args.dataset_text_field] for row in rows], completions, stopped.tolist())
+            encoded = [render_for_reward(source.tokenizer, *text) for text in texts]
+            ids, mask = pad_batch(encoded, source.tokenizer.pad_token_id, left=hasattr(model, "score"), device=device)
+            if ids.shape[1] > (source.context or math.inf):  # beyond its position embeddings
+                length = f"{ids.shape[1]} tokens re-encoded, beyond its {source.context}"
+                raise ArgumentError(f"{source.flag}: {length}; lower --response-length or --max-prompt-length")
             last_index = torch.full((len(ids),), ids.shape[1] - 1, device=device)
-        model, chunk = run.accelerator.unwrap_model(source.model), args.local_rollout_forward_batch_size
+        chunk = args.local_rollout_forward_batch_size
         with run.accelerator.autocast():
-            values = [
-                reward_model_values(source, model, ids[i : i + chunk], mask[i : i + chunk], last_index[i : i + chunk])
-                for i in range(0, len(ids), chunk)
-            ]
-        rewards[source.name] = torch.cat(values) if not overflow else torch.full((len(ids),), math.nan, device=device)
+            chunks = zip(ids.split(chunk), mask.split(chunk), last_index.split(chunk))
+            rewards[source.name] = torch.cat([get_reward(model, *inputs) for inputs in chunks])
     scores = sum(source.weight * rewards[source.name] for source in run.reward_sources)
-    return scores, rewards  # (k*B,), {name: (k*B,)}
+    if args.missing_eos_penalty is not None:  # resolve_args made sure a stop token is set
+        scores = scores - args.missing_eos_penalty * (~stopped).float()
+    return scores, rewards
 
 
-class RewardError(Exception):
-    """A reward function raised, exited, or returned something other than one number per completion."""
-
-
-def call_reward_fn(source, prompts, completions, columns):
-    """fn(prompts, completions, **columns), passing only the columns it names (all of them to a **kwargs)."""
+def call_reward_fn(source, rows, completions, text_field):
+    """fn(prompts, completions, **columns): the prompts as the dataset holds them (text, or chat messages), and as
+    keyword lists aligned with the completions the dataset's other columns that fn names (all, to a **kwargs)."""
     parameters = inspect.signature(source.fn).parameters.values()
-    if not any(p.kind == p.VAR_KEYWORD for p in parameters):
-        columns = {name: values for name, values in columns.items() if name in {p.name for p in parameters}}
-    try:
-        scores = source.fn(prompts, completions, **columns)
-    except (Exception, SystemExit) as error:  # sys.exit() inside a reward function must not end the run quietly
-        raise RewardError(f"{source.flag} raised {type(error).__name__}: {first_line(error)}") from None
-    if not isinstance(scores, (list, tuple, torch.Tensor, np.ndarray)) or len(scores) != len(completions):
-        raise RewardError(f"{source.flag} must return {len(completions)} numbers, one per completion")
+    takes_all = any(p.kind == p.VAR_KEYWORD for p in parameters)
+    names = [name for name in rows[0] if name != text_field and (takes_all or name in {p.name for p in parameters})]
+    columns = {name: [row.get(name) for row in rows] for name in names}
+    scores = source.fn([row[text_field] for row in rows], completions, **columns)
+    if not hasattr(scores, "__len__") or len(scores) != len(completions):
+        raise ValueError(f"{source.flag} must return {len(completions)} numbers, one per completion")
     try:
         return [float(score) for score in scores]
     except (TypeError, ValueError):
-        raise RewardError(f"{source.flag} returned a value that is not a number") from None
-
-
-def reward_model_values(source, model, ids, mask, last_index):
-    """A decoder classifier's value at last_index (get_reward); an encoder's own forward, which pools its [CLS]."""
-    if source.decoder:
-        return get_reward(model, ids, mask, last_index)
-    return model(input_ids=ids, attention_mask=mask).logits[:, 0].float()
+        raise ValueError(f"{source.flag} returned a value that is not a number") from None
 
 
 def render_for_reward(tokenizer, prompt, completion, stopped):
@@ -551,7 +382,7 @@ def chat_ids(tokenizer, messages, generation_prompt):
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
-def pad_batch(sequences, pad_token_id, left=True):
+def pad_batch(sequences, pad_token_id, left=True, device=None):
     """Token lists -> (input_ids, attention_mask), padded to the longest: on the left, as generation wants, or on
     the right, as an encoder wants (its positions count from its first token)."""
     width = max(len(s) for s in sequences)
@@ -561,7 +392,7 @@ def pad_batch(sequences, pad_token_id, left=True):
         columns = slice(width - len(s), width) if left else slice(0, len(s))
         input_ids[row, columns] = torch.tensor(s, dtype=torch.long)
         attention_mask[row, columns] = 1
-    return input_ids, attention_mask
+    return input_ids.to(device), attention_mask.to(device)
 
 
 # ================================================================================================================
@@ -571,62 +402,39 @@ def pad_batch(sequences, pad_token_id, left=True):
 def toy_tokenizer():
     """A character-level tokenizer built in memory: printable ASCII and newline, one token each, plus pad, eos and
     unk. Every completion decodes to readable text and encodes back to the same tokens."""
-    from tokenizers import Tokenizer, decoders, models
-    from transformers import PreTrainedTokenizerFast
-
-    characters = [chr(c) for c in range(32, 127)] + ["\n"]
-    special = ["<|pad|>", "<|endoftext|>", "<|unk|>"]
-    vocab = {token: i for i, token in enumerate(characters + special)}
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<|unk|>"))  # no merges: one per character
-    tokenizer.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        pad_token="<|pad|>",
-        eos_token="<|endoftext|>",
-        unk_token="<|unk|>",
-        padding_side="left",
-    )
+    tokens = [chr(c) for c in range(32, 127)] + ["\n", "<|pad|>", "<|endoftext|>", "<|unk|>"]
+    tokenizer = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[], unk_token="<|unk|>"))
+    tokenizer.decoder = decoders.Fuse()  # no merges: one token per character
+    special = dict(pad_token="<|pad|>", eos_token="<|endoftext|>", unk_token="<|unk|>")
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, padding_side="left", **special)
 
 
 def toy_policy(tokenizer, seed, hidden_size=64, intermediate_size=256):
     """A small GPT-NeoX (the Pythia architecture) with random weights: 2 layers, 4 heads."""
-    from transformers import AutoModelForCausalLM, GPTNeoXConfig
-
-    ids = dict(
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id
+    eos = tokenizer.eos_token_id
+    ids = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=eos, bos_token_id=eos)
+    sizes = dict(
+        hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=2, num_attention_heads=4
     )
-    config = GPTNeoXConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=512,
-        **ids,
-    )
+    config = GPTNeoXConfig(vocab_size=len(tokenizer), max_position_embeddings=512, **sizes, **ids)
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config)
 
 
 def toy_prompts():
     """256 short prompts: 16 openings x 16 subjects."""
-    openings = (
-        "Say something about|Describe|Write a line on|Tell me of|A word on|Sing of|Think about|Remember|"
-        "Imagine|Praise|Name|Dream of|Talk about|Draw|Explain|Recall"
-    ).split("|")
-    subjects = (
-        "the sea|a cat|the moon|old trees|rain|a city|bread|the wind|snow|a river|music|stars|a garden|fire|"
-        "the road|winter"
-    ).split("|")
-    return [f"{opening} {subject}:" for opening in openings for subject in subjects]
+    openings = "Say something about|Describe|Write a line on|Tell me of|A word on|Sing of|Think about|Remember|"
+    openings += "Imagine|Praise|Name|Dream of|Talk about|Draw|Explain|Recall"
+    subjects = "the sea|a cat|the moon|old trees|rain|a city|bread|the wind|snow|a river|music|stars|a garden|fire|"
+    subjects += "the road|winter"
+    return [f"{opening} {subject}:" for opening in openings.split("|") for subject in subjects.split("|")]
 
 
 def toy_reward(prompts, completions, response_length=53):
-    """The toy task's reward: 10 x (lowercase vowels in the completion) / response_length, in [0, 10].
-
-    Dividing by the fixed response length, not by the completion's own, keeps it from being gamed by stopping
-    early. A random policy over the toy's 99 tokens scores about 10 x 5/99 = 0.5."""
-    return [10.0 * sum(c in TOY_VOWELS for c in completion) / response_length for completion in completions]
+    """The toy task's reward: 10 x (lowercase vowels in the completion) / response_length, in [0, 10]. Dividing by the
+    fixed response length, not by the completion's own, keeps it from being gamed by stopping early. A random policy
+    over the toy's 99 tokens scores about 10 x 5/99 = 0.5."""
+    return [10.0 * sum(c in "aeiou" for c in completion) / response_length for completion in completions]
 
 
 # ================================================================================================================
@@ -635,39 +443,31 @@ def toy_reward(prompts, completions, response_length=53):
 
 def main(args: Args):
     try:
-        run = setup(args)  # validation, tokenizer, prompts, reward, models, accelerator, optimizer, resume
+        run = setup(args)  # flags, tokenizer, prompts, rewards, output dir, models, accelerator, optimizer, resume
         train(run)
         save_final_model(run)
     finally:
-        release_locks()
+        for lock in LOCKS:  # the output directory's lock, which a process that ends releases anyway
+            lock.close()
 
 
 def train(run):
     """RLOO, one iteration per update: steps 1-10 in the algorithm's order. Shapes: B prompts per process,
     k = rloo_k completions each, P prompt tokens (left-padded), T response tokens."""
     args, accelerator, policy, tokenizer = run.args, run.accelerator, run.policy, run.tokenizer
-    device, pad_token_id, micro = accelerator.device, tokenizer.pad_token_id, args.per_device_train_batch_size
-    k, chunk = args.rloo_k, args.local_rollout_forward_batch_size  # chunk: completions per forward outside training
-    for update in progress(run):
+    device, micro, k = accelerator.device, args.per_device_train_batch_size, args.rloo_k
+    for update in range(run.start_update, args.num_total_batches):
         lr = args.learning_rate * (1.0 - update / args.num_total_batches)  # linear decay to 0 over the run
         for group in run.optimizer.param_groups:
             group["lr"] = lr
 
         # ---- data: this rank's B prompts, repeated k times k-major (row i*B + j is sample i of prompt j)
         batch = batch_indices(args, len(run.prompts), update, accelerator.process_index)  # (B,) dataset rows
-        queries, query_mask = pad_batch([run.prompts[i] for i in batch] * k, pad_token_id)
-        queries, query_mask = queries.to(device), query_mask.to(device)  # (k*B, P)
-        context_length = queries.shape[1]
-        t0 = now()
+        queries, query_mask = pad_batch([run.prompts[i] for i in batch] * k, tokenizer.pad_token_id, device=device)
+        rows, context_length, t0 = [run.rows[i] for i in batch] * k, queries.shape[1], now()  # queries: (k*B, P)
 
-        # ---- 1. rollout: sample k completions per prompt (ZeRO-3: with the full weights gathered once)
-        policy.eval()  # no dropout anyway; eval lets generation use the KV cache under gradient checkpointing
-        with torch.no_grad(), generation_context(run) as (model, synced):
-            responses = rollout(model, queries, query_mask, args, args.temperature, pad_token_id, synced)
-        # ---- 2. truncate after the stop token; then drop the columns where every completion had stopped
-        responses, response_mask = truncate_response(responses, args.stop_token_id, pad_token_id)
-        T = int(response_mask.sum(1).max())
-        responses, response_mask = responses[:, :T], response_mask[:, :T]  # (k*B, T)
+        # ---- 1. rollout: sample k completions per prompt, and 2. cut each after its stop token
+        responses, response_mask = rollout(run, queries, query_mask, args.temperature)  # (k*B, T)
         query_responses = torch.cat([queries, responses], 1)  # (k*B, P + T)
         attention_mask = torch.cat([query_mask, response_mask.long()], 1)
         t1 = now()
@@ -678,18 +478,13 @@ def train(run):
             logprob_inputs = (query_responses, attention_mask, context_length, args.temperature)
             old_logprobs = batched_logprobs(policy, *logprob_inputs, micro)  # (k*B, T)
             with accelerator.autocast(), reference_model(run) as ref_policy:  # LoRA: the policy, adapters off
-                ref_logprobs = batched_logprobs(ref_policy, *logprob_inputs, chunk)  # (k*B, T)
-            # ---- 4. the score: the weighted sum of the reward sources (reward model, reward functions)
-            rows = [run.rows[i] for i in batch] * k  # the dataset's row of each completion, k-major
-            sequences = (query_responses, attention_mask, context_length, response_mask)
-            scores, source_rewards = score_completions(run, rows, *sequences)  # (k*B,), each source's (k*B,)
+                ref_logprobs = batched_logprobs(ref_policy, *logprob_inputs, args.local_rollout_forward_batch_size)
+        # ---- 4. the score: the weighted reward sources; 5. minus missing_eos_penalty without the stop token
+        sequences = (query_responses, attention_mask, context_length, response_mask)
+        scores, source_rewards = score_completions(run, rows, *sequences)  # (k*B,), each source's (k*B,)
+        raw_scores = scores  # what objective/scores logs: before normalization and clipping
         t2 = now()
 
-        # ---- 5. missing-EOS penalty: completions that never produced the stop token lose missing_eos_penalty
-        if args.missing_eos_penalty is not None:  # validate_args made sure a stop token is set
-            missing_stop = ~has_stop_token(responses, response_mask, args.stop_token_id)  # (k*B,)
-            scores = scores - args.missing_eos_penalty * missing_stop.float()
-        raw_scores = scores  # what objective/scores logs: before normalization and clipping
         # ---- 6. normalize (optional, over the global batch) and always clip to [-c, c]
         if args.normalize_reward:
             scores = whiten(scores)
@@ -713,7 +508,7 @@ def train(run):
 
         # ---- non-finite guard: a NaN or inf anywhere in the rollout (a score, a log-prob) skips this update
         logprobs = torch.where(response_mask, old_logprobs + ref_logprobs, 0.0)  # non-finite if either one is
-        finite = rollout_is_finite(run, update, raw_scores, advantages, logprobs)
+        finite = rollout_is_finite(run, raw_scores, advantages, logprobs)
 
         # ---- 9. the update: num_ppo_epochs passes, each over num_mini_batches shuffled mini-batches of
         # gradient_accumulation_steps micro-batches, one optimizer step per mini-batch
@@ -729,478 +524,305 @@ def train(run):
                     new_logprobs, entropy = forward_logprobs(policy, *inputs, with_entropy=True)
                     loss, clipfrac = policy_loss(new_logprobs, old, advantages[micro_batch], mask, args.cliprange)
                     accelerator.backward(loss)  # under DeepSpeed this also clips and steps at the boundary
-                    run.skipped_steps += optimizer_step(run)  # at the mini-batch's last micro-batch only
+                    optimizer_step(run)  # at the mini-batch's last micro-batch only
                 add_stats(stats, loss, clipfrac, new_logprobs, old, entropy, mask, args.token_level_kl)
-        run.skipped_steps += int(not finite)
-        run.consecutive_skips = 0 if finite else run.consecutive_skips + 1
         t3 = now()
 
         # ---- 10. metrics (TRL's names), over real response tokens only, summed over every rank in one all-reduce
-        sums = rollout_sums(run, responses, response_mask, old_logprobs, sequence_kl, raw_scores, scores) | {
-            "clipped": clipped
+        grouped = raw_scores.view(k, -1)  # (k, B)
+        stats |= {
+            "kl": sequence_kl.sum(),
+            "neglogp": (-old_logprobs[response_mask]).sum(),
+            "scores": raw_scores.sum(),
+            "rlhf": (scores - args.kl_coef * sequence_kl).sum(),
+            "generated": response_mask.sum(),
+            "eos": ((responses == tokenizer.eos_token_id) & response_mask).sum(),
+            "zero_std": (grouped == grouped[0]).all(0).sum(),  # prompts whose k scores are all equal
+            "clipped": clipped,
+            **{f"rewards/{name}": values.sum() for name, values in source_rewards.items()},  # before weighting
         }
-        sums |= {f"rewards/{name}": values.sum() for name, values in source_rewards.items()}  # before weighting
-        metrics, stopping = update_metrics(run, update, stats | sums, lr, (t0, t1, t2, t3))
-        log_update(run, update, metrics, query_responses[:4, :context_length], responses[:4], raw_scores[:4])
-        end_of_update(run, update, stopping)
+        samples = (query_responses[:4, :context_length], responses[:4], raw_scores[:4])  # for the sample tables
+        stopping = log_metrics(run, update, stats, lr, (t0, t1, t2, t3), samples)
+        end_of_update(run, update, stopping)  # evaluation, checkpoint, a stop on a signal
         run.previous_end = t3
 
 
 # ================================================================================================================
-# PLUMBING: setup, validation, data, checkpoints, metrics and reports. Skip this on a first read: nothing below
-# changes what an update computes.
+# PLUMBING: setup, checks, data, models, checkpoints, metrics. Skip it on a first read: it changes no update's math.
 
 
 @dataclass
-class Run:
-    """What setup() hands the loop, and the counters the loop keeps across updates."""
-
+class Run:  # what setup() hands the loop, and the counters the loop keeps across updates
     args: Args
     accelerator: Any
     tokenizer: Any
     prompts: list  # token-id lists, one per usable prompt
     rows: list  # the dataset's rows (every column), aligned with prompts
     policy: Any  # what trains: the model wrapped by accelerate (a DeepSpeed engine, DDP, or the model itself)
-    ref_policy: Any
+    ref_policy: Any  # None with LoRA: the reference is the policy with its adapters off
     optimizer: Any
     reward_sources: list  # RewardSource: the reward model first, then the reward functions
-    eval_prompts: list = field(default_factory=list)  # held-out prompts (token ids) and their rows, for evaluate()
-    eval_rows: list = field(default_factory=list)
-    deepspeed: bool = False  # the policy is a DeepSpeed engine, which clips and steps inside backward()
-    zero3: bool = False  # ... whose weights are sharded across ranks (ZeRO stage 3)
+    zero3: bool  # the policy's weights are sharded across ranks (DeepSpeed ZeRO-3)
+    eval_prompts: list  # held-out prompts (token ids) and their rows
+    eval_rows: list
     start_update: int = 0
     history: list = field(default_factory=list)  # objective/scores of every update
     elapsed_before: float = 0.0  # seconds of training before a resume
     skipped_steps: int = 0
     consecutive_skips: int = 0
-    problem: Optional[str] = None  # what the non-finite guard found last: "scores" or "log-probs"
-    reward_error: Optional[str] = None  # a reward function's failure in this update
-    write_error: Optional[str] = None  # the main process could not append to a file of the output directory
-    last_saved: int = 0  # the update of the newest checkpoint this run wrote or resumed from
-    rng_at_update_start: Any = None  # every generator's state as the update began
-    warned_clipping: bool = False
     stop_signals: list = field(default_factory=list)  # SIGTERM / SIGINT received
     start_time: float = 0.0
     previous_end: float = 0.0
-    phase_totals: dict = field(default_factory=lambda: dict.fromkeys(PHASES + ("tokens",), 0.0))
+    phase_totals: dict = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
 
 
 PHASES = ("generation", "scoring", "training", "other")
 STAT_NAMES = ("loss", "clipfrac", "approxkl", "ratio", "ratio_sq", "entropy", "terms", "tokens")
+LOCKS = []  # the lock this process holds on its output directory (an open file), released when main() ends
 
 
 def setup(args):
-    """Everything the loop needs, checked in order of cost: flags, then tokenizer, prompts and reward functions,
-    then the output directory and checkpoint, and only then the models."""
-    from accelerate.utils import DistributedType
-
+    """Everything the loop needs, checked in order of cost: flags and data first, the models last."""
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")  # else DeepSpeed warns
     warnings.filterwarnings("ignore", message=".*is deprecated. Please use `torch.distributed")  # DeepSpeed's calls
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
-    validate_args(args)
-    if args.output_dir and main_rank():
-        take_lock(args.output_dir, take=False)  # a live run writing there: say so before anything else
-    policy_config = check_model_configs(args)
-    tokenizer = load_tokenizer(args)
-    prompts, rows, dropped = load_prompts(args, tokenizer, args.dataset_name, args.dataset_split, "--dataset-name")
-    resume_dir, saved = find_checkpoint(args, world_size) if args.resume_from_checkpoint else (None, None)
-    args = resolve_args(args, world_size, tokenizer, len(prompts), saved, dropped)
-    if saved is not None:
-        check_checkpoint_args(args, saved, resume_dir)
-    evaluation = load_eval_prompts(args, tokenizer) if args.eval_steps else ([], [])  # prompts, rows
-    longest_prompt = max(len(ids) for ids in prompts + evaluation[0])
-    check_context_length(args, policy_config, longest_prompt, "policy")
-    sources = [
-        load_reward_fn(spec, rows[:2] + evaluation[1][:2], args.dataset_text_field) for spec in args.reward_fn or []
-    ]
+    logging.getLogger("accelerate.utils.other").setLevel(logging.ERROR)  # "Removed shared tensor" for tied weights
+    path = args.sft_model_path  # None: the toy's
+    tokenizer = load_pretrained(AutoTokenizer, path, "--sft-model-path", args) if path else toy_tokenizer()
+    tokenizer.padding_side = "left"  # generation appends on the right
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token  # fine: masks never compare ids with the pad id
+    prompts, rows = load_prompts(args, tokenizer, args.dataset_name, args.dataset_split, "--dataset-name")
+    saved = read_checkpoint(args)
+    resolve_args(args, int(os.environ.get("WORLD_SIZE", 1)), tokenizer, len(prompts), saved)
+    evaluation = ([], [])  # the first num_eval_prompts held-out prompts, and their rows
+    if args.eval_steps:
+        path = args.eval_dataset_name or args.dataset_name
+        evaluation = load_prompts(args, tokenizer, path, args.eval_split, "--eval-dataset-name", args.num_eval_prompts)
+    sources = [load_reward_fn(spec, rows[:2] + evaluation[1][:2], args) for spec in args.reward_fn or []]
     if not sources and not args.reward_model_path:  # the toy task's reward
         toy = functools.partial(toy_reward, response_length=args.response_length)
         sources = [RewardSource("toy_reward", "the toy reward", fn=toy)]
     names = ["reward_model"] * bool(args.reward_model_path) + [source.name for source in sources]
     if len(set(names)) < len(names):  # each source's rewards and metrics go by its name
-        raise ArgumentError(f"--reward-fn: two reward sources share a name ({', '.join(names)}); rename a function")
-    prepare_output_dir(args, resume_dir)  # the lock: everything before it only reads and checks
+        raise ArgumentError(f"--reward-fn: two reward sources share a name ({', '.join(names)}); rename one")
+    if os.environ.get("RANK", "0") == "0":  # the main process
+        prepare_output_dir(args, saved)
     if not torch.cuda.is_available():
         torch.set_num_threads(args.cpu_threads)
-    policy, ref_policy, reward_model = load_models(args, tokenizer, rows, longest_prompt)
+    policy, ref_policy, reward_model = load_models(args, tokenizer, max(map(len, prompts + evaluation[0])))
     accelerator, zero3 = make_accelerator(args)
     trainable = [p for p in policy.parameters() if p.requires_grad]  # with LoRA, the adapters only
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, eps=1e-8, weight_decay=0.0)
     policy, optimizer = accelerator.prepare(policy, optimizer)
-    ref_policy = prepare_frozen(ref_policy, accelerator) if ref_policy is not None else None
+    ref_policy = ref_policy and prepare_frozen(ref_policy, accelerator)
     if reward_model is not None:  # the reward model is the first source
-        sources.insert(0, replace(reward_model, model=prepare_frozen(reward_model.model, accelerator)))
+        reward_model.model = prepare_frozen(reward_model.model, accelerator)
+        sources.insert(0, reward_model)
     for source, weight in zip(sources, args.reward_weights or [1.0] * len(sources)):
         source.weight = weight
-    run = Run(args, accelerator, tokenizer, prompts, rows, policy, ref_policy, optimizer, sources, *evaluation)
-    run.deepspeed, run.zero3 = accelerator.distributed_type == DistributedType.DEEPSPEED, zero3
+    run = Run(args, accelerator, tokenizer, prompts, rows, policy, ref_policy, optimizer, sources, zero3, *evaluation)
     if args.report_to != "none":
         accelerator.init_trackers(args.exp_name, config=asdict(args))
-    resume_or_seed(run, resume_dir, saved)
-    if start_lineage(run, resume_dir):  # the first write into the output directory
-        evaluate(run, run.start_update)  # owed by the run that wrote the checkpoint: it stopped before it
-        if run.reward_error is not None:
-            raise SystemExit(
-                f"rloo.py: error: stopped in the evaluation after update {run.start_update}: "
-                f"{run.reward_error} (checkpoint-{run.start_update} is unchanged)"
-            )
+    resume_or_seed(run, saved)
     for signum in (signal.SIGTERM, signal.SIGINT):  # preemption: finish the update, checkpoint, exit
         signal.signal(signum, functools.partial(on_stop_signal, run))
+    sizes = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for p in policy.parameters()]  # ZeRO-3: whole
+    trained = f"{sum(n for n, grad in sizes if grad):,} of {sum(n for n, _ in sizes):,} parameters trained"
+    threads = "" if torch.cuda.is_available() else f", {torch.get_num_threads()} CPU threads each"
+    shape = f"{args.local_dataloader_batch_size} prompts x k={args.rloo_k} per process, {args.world_size} processes"
+    if accelerator.is_main_process:  # the header line
+        print(f"{args.run_name}: {args.num_total_batches} updates of {args.batch_size} completions ", end="")
+        print(f"({shape}{threads}; {trained}) -> {args.output_dir}")
+    run.start_time = run.previous_end = now()
     return run
 
 
-def main_rank():
-    """This process is the main one (rank 0), before the Accelerator exists: it alone writes files."""
-    return int(os.environ.get("RANK", 0)) == 0
-
-
 def on_stop_signal(run, number, frame):
-    """The first SIGTERM or SIGINT (Ctrl-C) ends the run after the current update, with a checkpoint; a second
-    one quits at once (the checkpoint being written, if any, stays a .tmp that a resume ignores)."""
+    """A first SIGTERM or SIGINT (Ctrl-C) ends the run after this update, with a checkpoint; a second, at once."""
     if run.stop_signals:
         print(f"rloo.py: stopped at once by a second {signal.Signals(number).name}", file=sys.stderr)
-        release_locks()
         os._exit(128 + number)
     run.stop_signals.append(number)
 
 
-# the lowest value each numeric flag may take (None, where allowed, means "not set")
-FLAG_MINIMUMS = {
-    "rloo_k": 2,
-    **dict.fromkeys("response_length max_prompt_length per_device_train_batch_size lora_r".split(), 1),
-    **dict.fromkeys("gradient_accumulation_steps num_mini_batches num_ppo_epochs save_steps".split(), 1),
-    **dict.fromkeys("local_rollout_forward_batch_size save_total_limit total_episodes cpu_threads".split(), 1),
-    **dict.fromkeys("num_eval_prompts".split(), 1),
-    **dict.fromkeys("stop_token_id kl_coef max_grad_norm num_sample_generations eval_steps".split(), 0),
-    **dict.fromkeys("eval_temperature missing_eos_penalty".split(), 0),
-}
-FLAG_POSITIVE = ("temperature", "cliprange", "reward_clip_range", "learning_rate", "num_train_epochs", "lora_alpha")
+# the lowest value of each numeric flag (None, where a flag allows it, means "not set"), and those above 0
+AT_LEAST_1 = "response_length max_prompt_length per_device_train_batch_size gradient_accumulation_steps lora_r "
+AT_LEAST_1 += "num_mini_batches num_ppo_epochs save_steps local_rollout_forward_batch_size save_total_limit cpu_threads"
+AT_LEAST_0 = "seed stop_token_id kl_coef max_grad_norm num_sample_generations eval_steps eval_temperature lora_dropout"
+AT_LEAST = {"rloo_k": 2, "total_episodes": 1, "num_eval_prompts": 1, "missing_eos_penalty": 0, "learning_rate": 0}
+AT_LEAST |= dict.fromkeys(AT_LEAST_1.split(), 1) | dict.fromkeys(AT_LEAST_0.split(), 0)
+ABOVE_0 = "temperature cliprange reward_clip_range num_train_epochs lora_alpha".split()
 
 
-def validate_args(args):
-    """Every check of the flags alone, before anything loads: a one-line error naming the flag and what is valid."""
-    for name, lowest in FLAG_MINIMUMS.items():
-        value = getattr(args, name)
-        if value is not None and not lowest <= value < math.inf:  # the comparison also refuses NaN
-            raise ArgumentError(f"--{name.replace('_', '-')} must be a finite number, at least {lowest} (got {value})")
-    for name in FLAG_POSITIVE:
-        value = getattr(args, name)
-        if value is not None and not (0 < value < math.inf):
-            raise ArgumentError(f"--{name.replace('_', '-')} must be a positive number (got {value})")
+# what sets the prompts, their order, the batch and the run's length: a resume must keep these flags (others may change)
+RESUME_FIXED = "rloo_k per_device_train_batch_size gradient_accumulation_steps num_mini_batches total_episodes seed "
+RESUME_FIXED += "response_length sft_model_path dataset_name dataset_split dataset_text_field max_prompt_length "
+RESUME_FIXED += "token_level_kl use_peft lora_r lora_alpha lora_target_modules lora_task_type"
+
+
+def resolve_args(args, world_size, tokenizer, num_prompts, saved=None):
+    """The one place where the flags become the run's settings, each checked: a one-line error naming the flag and
+    what is valid. Nothing else changes `args`."""
+    for name in [*AT_LEAST, *ABOVE_0]:
+        value, lowest, above = getattr(args, name), AT_LEAST.get(name, 0), name not in AT_LEAST
+        if value is not None and not (lowest < value < math.inf or value == lowest and not above):  # NaN fails too
+            above = "above 0" if above else f"at least {lowest}"
+            raise ArgumentError(f"--{name.replace('_', '-')} must be a finite number {above} (got {value})")
     sources = int(args.reward_model_path is not None) + len(args.reward_fn or []) or 1  # 1: the toy reward
     if args.reward_weights is not None and len(args.reward_weights) != sources:
-        raise ArgumentError(
-            f"--reward-weights: give one weight per reward source ({sources}: the reward model "
-            "first, then each --reward-fn)"
-        )
-    if not all(math.isfinite(weight) for weight in args.reward_weights or []):
-        raise ArgumentError(f"--reward-weights must be finite numbers (got {args.reward_weights})")
-    if not 0 <= args.lora_dropout < 1:
-        raise ArgumentError(f"--lora-dropout must be in [0, 1) (got {args.lora_dropout})")
-    if args.merge_adapter and not args.use_peft:
-        raise ArgumentError("--merge-adapter merges LoRA adapters: it needs --use-peft")
+        raise ArgumentError(f"--reward-weights: give {sources}, the reward model's first, then each --reward-fn's")
     if args.missing_eos_penalty is not None and args.stop_token is None and args.stop_token_id is None:
         raise ArgumentError("--missing-eos-penalty needs a stop token: add --stop-token eos or --stop-token-id")
-    if args.report_to != "none" and importlib.util.find_spec(args.report_to) is None:
-        raise ArgumentError(f"--report-to {args.report_to}: the package is not installed; pip install {args.report_to}")
-
-
-def resolve_args(args, world_size, tokenizer, num_prompts, saved=None, dropped=0):
-    """The one place where the parsed flags become the run's settings: defaults that depend on the run, the stop
-    token, the batch sizes and the number of updates. Nothing else changes `args`."""
-    toy = args.sft_model_path is None
-    run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
     if args.stop_token == "eos" and tokenizer.eos_token_id is None:
         raise ArgumentError("--stop-token eos: the policy's tokenizer has no eos token; give --stop-token-id")
     if args.stop_token_id is not None and args.stop_token_id >= len(tokenizer):
-        raise ArgumentError(
-            f"--stop-token-id {args.stop_token_id} is not in the policy's vocabulary "
-            f"({len(tokenizer)} tokens); a completion would never stop"
-        )
-    if not 0 <= args.seed < 2**32 - 100003 * (world_size - 1):
-        raise ArgumentError(f"--seed must be in [0, 2**32 - 100003 x (processes - 1)) (got {args.seed})")
-    # a resumed run keeps the checkpoint's length, unless the flag says otherwise (and then it must agree)
-    total_episodes = saved["args"]["total_episodes"] if saved and args.total_episodes is None else args.total_episodes
-    local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    args = replace(
-        args,
-        run_name=run_name,
-        output_dir=args.output_dir or os.path.join("runs", run_name),
-        learning_rate=args.learning_rate or (1e-3 if toy else 5e-5),
-        stop_token_id=tokenizer.eos_token_id if args.stop_token == "eos" else args.stop_token_id,
-        total_episodes=int(args.num_train_epochs * num_prompts) if total_episodes is None else total_episodes,
-        cpu_threads=args.cpu_threads or max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1))),
-        world_size=world_size,
-        local_batch_size=local_batch_size,
-        batch_size=local_batch_size * world_size,
-        local_dataloader_batch_size=local_batch_size // args.rloo_k,
-    )
-    args = replace(args, num_total_batches=math.ceil(args.total_episodes / args.batch_size))
-    if local_batch_size % args.rloo_k:
-        raise ArgumentError(
-            f"the per-process batch (--per-device-train-batch-size x --gradient-accumulation-steps x "
-            f"--num-mini-batches = {local_batch_size}) must be divisible by --rloo-k {args.rloo_k}"
-        )
-    needed = args.local_dataloader_batch_size * world_size
-    if num_prompts < needed:
-        left_out = f" ({dropped} more were longer than --max-prompt-length {args.max_prompt_length})" if dropped else ""
-        raise ArgumentError(
-            f"--dataset-name: {num_prompts} prompts{left_out} are fewer than one update needs "
-            f"({needed}); lower --per-device-train-batch-size"
-        )
+        raise ArgumentError(f"--stop-token-id {args.stop_token_id} is not in the policy's {len(tokenizer)} tokens")
+    if args.seed + 100003 * (world_size - 1) >= 2**32:
+        raise ArgumentError(f"--seed must be below 2**32 - 100003 x (processes - 1) (got {args.seed})")
+    if saved is not None and args.total_episodes is None:  # a resumed run keeps the checkpoint's length
+        args.total_episodes = saved["args"]["total_episodes"]
+    args.run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    if args.output_dir is None:
+        args.output_dir = os.path.dirname(saved["path"]) if saved else os.path.join("runs", args.run_name)
+    if args.learning_rate is None:
+        args.learning_rate = 1e-3 if args.sft_model_path is None else 5e-5
+    if args.stop_token == "eos":
+        args.stop_token_id = tokenizer.eos_token_id
+    if args.total_episodes is None:
+        args.total_episodes = int(args.num_train_epochs * num_prompts)
+    if args.cpu_threads is None:  # accelerate launch sets OMP_NUM_THREADS=1: the cores, shared by the local processes
+        args.cpu_threads = max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    args.world_size = world_size
+    args.local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
+    args.batch_size = args.local_batch_size * world_size
+    args.local_dataloader_batch_size = args.local_batch_size // args.rloo_k
+    args.num_total_batches = math.ceil(args.total_episodes / args.batch_size)
+    if args.local_batch_size % args.rloo_k:
+        flags = "--per-device-train-batch-size x --gradient-accumulation-steps x --num-mini-batches"
+        raise ArgumentError(f"--rloo-k {args.rloo_k} must divide {flags} ({args.local_batch_size})")
+    if num_prompts < args.local_dataloader_batch_size * world_size:
+        needed = args.local_dataloader_batch_size * world_size
+        raise ArgumentError(f"--dataset-name: one update needs {needed} prompts, there are {num_prompts}")
     if args.total_episodes < args.batch_size:
-        raise ArgumentError(
-            f"--total-episodes {args.total_episodes} is less than one update "
-            f"({args.batch_size} completions on {world_size} processes)"
-        )
-    return args
+        raise ArgumentError(f"--total-episodes {args.total_episodes} is less than one update ({args.batch_size})")
+    if saved is not None and saved["world_size"] != world_size:
+        raise ArgumentError(f"{saved['path']} was written by {saved['world_size']} processes; launch that many")
+    for name in RESUME_FIXED.split() if saved is not None else []:
+        if saved["args"][name] != getattr(args, name):
+            flag = "--" + name.replace("_", "-")
+            raise ArgumentError(f"{saved['path']} was written with {flag} {saved['args'][name]}; use the same")
 
 
-def load_reward_fn(spec, rows, text_field):
-    """Import `module:function` and try it once on two prompts (with their columns), so that a broken function
-    fails before any model is loaded. The module is looked up on sys.path and in the current directory."""
+def load_reward_fn(spec, rows, args):
+    """Import `module:function` (also from the current directory) and try it on two prompts before models load."""
     module_name, _, function_name = spec.partition(":")
-    if os.getcwd() not in sys.path:
-        sys.path.append(os.getcwd())
+    sys.path += [os.getcwd()] if os.getcwd() not in sys.path else []
     try:
         fn = getattr(importlib.import_module(module_name), function_name)
     except Exception as error:  # not found, or the module itself failed (a SyntaxError, an error at import)
         raise ArgumentError(f"--reward-fn {spec}: cannot import it ({error}); give module:function") from None
     source = RewardSource(function_name, f"--reward-fn {spec}", fn=fn)
-    prompts = [row[text_field] for row in rows]
-    columns = {name: [row.get(name) for row in rows] for name in rows[0] if name != text_field}
     try:
-        scores = call_reward_fn(source, prompts, ["hello", ""][: len(rows)], columns)
-    except RewardError as error:
-        raise ArgumentError(f"{error} (tried on two prompts at start-up)") from None
+        scores = call_reward_fn(source, rows, ["hello", ""][: len(rows)], args.dataset_text_field)
+    except Exception as error:
+        raise ArgumentError(f"{source.flag} failed on two prompts: {error!r:.160}") from None
     if any(math.isnan(score) for score in scores):
-        raise ArgumentError(f"--reward-fn {spec} returned NaN for a test completion; it must return real numbers")
+        raise ArgumentError(f"{source.flag} returned NaN for a test completion; it must return real numbers")
     return source
 
 
-def first_line(error):
-    lines = str(error).strip().splitlines()
-    return lines[0][:120] if lines else type(error).__name__
-
-
-def load_pretrained(path, flag, model_class, trust_remote_code, **kwargs):
-    """from_pretrained with an error naming the flag when nothing loadable is there."""
+def load_pretrained(model_class, path, flag, args, **kwargs):
+    """from_pretrained, with a one-line error naming the flag when nothing loadable is there."""
     try:
-        return model_class.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
+        return model_class.from_pretrained(path, trust_remote_code=args.trust_remote_code, **kwargs)
     except (OSError, ValueError) as error:
-        offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false")
-        hub = "the hub is off (HF_HUB_OFFLINE)" if offline else "a hub id"
-        where = "a local directory" if os.path.isdir(path) else hub
-        raise ArgumentError(
-            f"{flag} {path}: no model could be loaded ({where}: {first_line(error)}); "
-            "offline runs need a local directory written by save_pretrained"
-        ) from None
+        raise ArgumentError(f"{flag} {path}: nothing to load ({error!r:.160}); offline: a local directory") from None
 
 
-def check_model_configs(args):
-    """Configs only: a wrong model path fails here, before any weights are read. Returns the policy's config
-    (None for the toy policy)."""
-    from transformers import AutoConfig
-
-    policy_config = None
-    if args.sft_model_path is not None:
-        policy_config = load_pretrained(args.sft_model_path, "--sft-model-path", AutoConfig, args.trust_remote_code)
-    if args.reward_model_path:
-        config = load_pretrained(args.reward_model_path, "--reward-model-path", AutoConfig, args.trust_remote_code)
-        if config.num_labels != 1:
-            raise ArgumentError(
-                f"--reward-model-path {args.reward_model_path}: the reward model has "
-                f"{config.num_labels} output labels; it needs exactly 1"
-            )
-    return policy_config
-
-
-def check_context_length(args, config, longest_prompt, model="policy"):
-    """The longest prompt and a whole completion must fit a model's context (position embeddings)."""
-    context = getattr(config, "max_position_embeddings", None) if config else 512  # the toy's
-    if context is not None and longest_prompt + args.response_length > context:
-        raise ArgumentError(
-            f"--response-length {args.response_length} after the longest prompt ({longest_prompt} "
-            f"tokens) is beyond the {model}'s context of {context} tokens; lower --response-length or "
-            "--max-prompt-length"
-        )
-
-
-def load_tokenizer(args):
-    """The policy's tokenizer, left-padding (generation appends on the right)."""
-    from transformers import AutoTokenizer
-
-    if args.sft_model_path is None:
-        return toy_tokenizer()
-    tokenizer = load_pretrained(args.sft_model_path, "--sft-model-path", AutoTokenizer, args.trust_remote_code)
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token  # fine here: masks come from positions, never from the pad id
-    return tokenizer
-
-
-def load_prompts(args, tokenizer, path, split, flag):
-    """The dataset's usable prompts: (token-id lists, rows with every column, how many were left out).
-
-    Text is encoded with the tokenizer's defaults, so a BOS that it adds stays; chat messages go through its chat
-    template, whose own special tokens count (no second BOS). Prompts over max_prompt_length tokens are left out."""
-    text_field = args.dataset_text_field
+def load_prompts(args, tokenizer, path, split, flag, limit=None):
+    """The first `limit` usable prompts: (token-id lists, the rows with every column). Text is encoded with the
+    tokenizer's defaults, so a BOS that it adds stays; chat messages go through its chat template."""
+    field_name = args.dataset_text_field
     if path is None:
-        rows = [{text_field: text} for text in toy_prompts()]
-        places = [f"toy prompt {n}" for n in range(len(rows))]
+        rows = [(f"toy prompt {n}", {field_name: text}) for n, text in enumerate(toy_prompts())]
     elif path.endswith(".jsonl"):  # read directly: no need for the datasets library (and its memory) here
-        rows, places = read_jsonl(path, text_field, flag)
+        with open(path, encoding="utf-8") as f:
+            rows = [(f"line {n}", line) for n, line in enumerate(f.read().split("\n"), 1) if line.strip()]
+        for i, (place, line) in enumerate(rows):
+            try:
+                rows[i] = (place, json.loads(line))
+            except json.JSONDecodeError as error:
+                raise ArgumentError(f"{flag} {path}, {place}: not valid JSON ({error})") from None
     else:
-        rows = load_dataset_rows(path, split, text_field, flag)
-        places = [f"row {n}" for n in range(len(rows))]
-    if not rows:
-        raise ArgumentError(f"{flag} {path}: the dataset is empty")
+        import datasets
+
+        try:  # a hub dataset, or a directory written by save_to_disk
+            saved = any(os.path.exists(os.path.join(path, name)) for name in ("dataset_info.json", "dataset_dict.json"))
+            dataset = datasets.load_from_disk(path) if saved else datasets.load_dataset(path, split=split)
+            dataset = dataset[split] if isinstance(dataset, datasets.DatasetDict) else dataset
+        except Exception as error:  # datasets raises many kinds; all mean the same to the user
+            raise ArgumentError(f"{flag} {path}: cannot load split {split!r} ({error!r:.160})") from None
+        rows = [(f"row {n}", row) for n, row in enumerate(dataset.to_list(), 1)]
     prompts, kept = [], []
-    for row, place in zip(rows, places):
-        prompt = row[text_field]
-        check_prompt(prompt, f"{flag} {path}, {place}: field {text_field!r}")
-        ids = chat_prompt_ids(tokenizer, prompt, place) if isinstance(prompt, list) else tokenizer(prompt)["input_ids"]
+    for place, row in rows:
+        prompt, where = row.get(field_name) if isinstance(row, dict) else None, f"{flag} {path}, {place}"
+        if not isinstance(prompt, (str, list)):
+            raise ArgumentError(f"{where}: no text or chat messages in field {field_name!r} (--dataset-text-field)")
+        if isinstance(prompt, list) and getattr(tokenizer, "chat_template", None) is None:
+            raise ArgumentError(f"{where}: chat messages, but the tokenizer has no chat template")
+        try:  # the chat template may refuse messages (jinja's TemplateError, or its own raise_exception())
+            ids = chat_ids(tokenizer, prompt, True) if isinstance(prompt, list) else tokenizer(prompt)["input_ids"]
+        except Exception as error:
+            raise ArgumentError(f"{where}: the chat template refused it ({error!r:.160})") from None
         if 0 < len(ids) <= args.max_prompt_length:
             prompts.append(list(ids))
             kept.append(row)
-    dropped = len(rows) - len(kept)
     if not prompts:
-        raise ArgumentError(
-            f"--max-prompt-length {args.max_prompt_length}: all {len(rows)} prompts of {flag} are "
-            "longer (or empty); raise it"
-        )
-    if dropped and main_rank():
-        print(
-            f"rloo.py: {dropped} of {len(rows)} prompts of {flag} are longer than --max-prompt-length "
-            f"{args.max_prompt_length} tokens (or empty) and are left out",
-            file=sys.stderr,
-        )
-    return prompts, kept, dropped
+        raise ArgumentError(f"{flag} {path}: no prompt within --max-prompt-length {args.max_prompt_length} tokens")
+    if len(kept) < len(rows) and os.environ.get("RANK", "0") == "0":
+        print(f"rloo.py: {flag}: {len(rows) - len(kept)} of {len(rows)} prompts left out (over --max-prompt-length)")
+    return prompts[:limit], kept[:limit]
 
 
-def read_jsonl(path, text_field, flag):
-    """The rows of a JSON-lines file and their places ("line 7"); a bad line is a one-line error naming it."""
-    try:
-        with open(path, "rb") as f:
-            lines = f.read().split(b"\n")
-    except OSError as error:
-        raise ArgumentError(f"{flag} {path}: cannot read it ({error.strerror})") from None
-    rows, places = [], []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        where = f"{flag} {path}, line {number}"
-        try:
-            row = json.loads(line.decode("utf-8"))
-        except UnicodeDecodeError:
-            raise ArgumentError(f"{where}: not UTF-8 text") from None
-        except json.JSONDecodeError as error:
-            raise ArgumentError(f"{where}: not valid JSON ({error.msg} at column {error.colno})") from None
-        if not isinstance(row, dict):
-            raise ArgumentError(f"{where}: {json_kind(row)}, not a JSON object with a {text_field!r} field")
-        if text_field not in row:
-            raise ArgumentError(
-                f"--dataset-text-field {text_field}: {path}, line {number} has no such field "
-                f"(its fields: {', '.join(row) or 'none'})"
-            )
-        rows.append(row)
-        places.append(f"line {number}")
-    return rows, places
-
-
-def load_dataset_rows(path, split, text_field, flag):
-    """The rows of a hub dataset or of a directory written by save_to_disk."""
-    import datasets
-
-    try:
-        if os.path.isdir(path) and (
-            os.path.exists(os.path.join(path, "dataset_info.json"))
-            or os.path.exists(os.path.join(path, "dataset_dict.json"))
-        ):
-            dataset = datasets.load_from_disk(path)
-        else:
-            dataset = datasets.load_dataset(path, split=split)
-        if isinstance(dataset, datasets.DatasetDict):
-            dataset = dataset[split]
-    except Exception as error:  # datasets raises many kinds; all mean the same to the user
-        raise ArgumentError(f"{flag} {path}: cannot load split {split!r} ({first_line(error)})") from None
-    if text_field not in dataset.column_names:
-        raise ArgumentError(
-            f"--dataset-text-field {text_field}: no such field in {path} (fields: {', '.join(dataset.column_names)})"
-        )
-    return dataset.to_list()
-
-
-def json_kind(value):
-    names = {type(None): "null", bool: "a boolean", int: "a number", float: "a number", str: "a string"}
-    return names.get(type(value), "a JSON array" if isinstance(value, list) else "a JSON object")
-
-
-def check_prompt(prompt, where):
-    """A prompt is a string, or a non-empty list of chat messages ({"role": ..., "content": "..."}), in Unicode."""
-    messages = isinstance(prompt, list) and prompt and all(isinstance(m, dict) and "role" in m for m in prompt)
-    texts = [m.get("content") for m in prompt] if messages else [prompt]
-    if not all(isinstance(text, str) for text in texts):
-        kind = json_kind(prompt) if not messages else "a list of messages whose content is not always a string"
-        raise ArgumentError(
-            f'{where} is {kind}; a prompt is a string or a list of chat messages ({{"role": ..., "content": "..."}})'
-        )
-    for text in texts:
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:
-            raise ArgumentError(f"{where} holds a lone surrogate ({text!r:.40}), which is not valid Unicode") from None
-
-
-def chat_prompt_ids(tokenizer, messages, place):
-    """Chat messages rendered by the policy's chat template, ending with the assistant's turn to speak."""
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise ArgumentError(
-            "--dataset-text-field: the prompts are chat messages, but the policy's tokenizer has no "
-            "chat template; give plain-text prompts or a model whose tokenizer has one"
-        )
-    try:
-        return chat_ids(tokenizer, messages, generation_prompt=True)
-    except Exception as error:  # jinja's TemplateError, or raise_exception() inside the template
-        raise ArgumentError(
-            f"--dataset-text-field: the policy's chat template refused the messages of {place} "
-            f"({first_line(error)}); change those messages (e.g. fold a system message into "
-            "the first user message)"
-        ) from None
-
-
-def load_models(args, tokenizer, rows, longest_prompt):
-    """Policy, reference and the reward model (a RewardSource, or None). They load before the Accelerator, so
-    every rank gets the same full weights, which the DeepSpeed engines then shard (after Accelerator() under a
-    ZeRO-3 plugin, from_pretrained would shard while loading). Every model loads in float32, whatever the
-    checkpoint's dtype: the optimizer steps float32 weights (stepping bf16 weights directly would round most small
-    updates away), and the reference must compute exactly what the policy does before its first step. Mixed
-    precision is accelerate's autocast (or DeepSpeed's bf16, with float32 master weights)."""
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-    policy = load_policy(args, tokenizer)
+def load_models(args, tokenizer, longest_prompt):
+    """Policy, reference and reward model (a RewardSource, or None), in float32 whatever the checkpoint's dtype: the
+    optimizer steps float32 weights (stepping bf16 weights rounds most small updates away), and the reference must
+    compute what the policy does. Mixed precision is accelerate's autocast, or DeepSpeed's bf16 with float32 masters.
+    They load before the Accelerator: every rank has the same full weights for DeepSpeed to shard."""
+    policy, reward = load_policy(args, tokenizer), None
     ref_policy = None if args.use_peft else load_policy(args, tokenizer)  # LoRA: the policy, its adapters off
     if args.use_peft:
-        policy = add_lora(args, policy)
-    reward = None
+        from peft import LoraConfig, get_peft_model
+
+        sizes = dict(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout)
+        targets = args.lora_target_modules or "all-linear"
+        config = LoraConfig(**sizes, target_modules=targets, task_type=args.lora_task_type)
+        torch.manual_seed(args.seed)  # the adapters' initial weights: the same on every rank and in every run
+        try:  # B starts at 0: before the first step the policy computes exactly what its base does
+            policy = get_peft_model(policy, config)
+        except ValueError as error:
+            raise ArgumentError(f"--lora-target-modules {targets}: {error!r:.160}") from None
+    contexts = [(policy.config, "policy")]  # the longest prompt and a whole completion must fit their positions
     if args.reward_model_path:
-        load = functools.partial(load_pretrained, args.reward_model_path, "--reward-model-path")
-        model = load(AutoModelForSequenceClassification, args.trust_remote_code, dtype=torch.float32)
-        reward_tokenizer = load(AutoTokenizer, args.trust_remote_code)
-        # decoder classifiers (GPT-2, Llama, Qwen2, GPT-NeoX...) have a `score` head read at the last token;
-        # encoders (BERT, RoBERTa, DeBERTa...) pool their first token through their own forward
-        decoder = hasattr(model, "score")
-        if decoder and reward_tokenizer.get_vocab() == tokenizer.get_vocab():
-            reward_tokenizer = None  # the same vocabulary: score the policy's token ids directly
-        flag = f"--reward-model-path {args.reward_model_path}"
-        context = getattr(model.config, "max_position_embeddings", None)  # re-encoded inputs are checked as scored
-        reward = RewardSource("reward_model", flag, 1.0, None, model, reward_tokenizer, decoder, context)
-        if reward_tokenizer is None:  # it reads the policy's tokens: their lengths are known now
-            check_context_length(args, model.config, longest_prompt, "reward model")
-        check_reward_model(reward, tokenizer, rows[0][args.dataset_text_field])
+        load = functools.partial(load_pretrained, path=args.reward_model_path, flag="--reward-model-path", args=args)
+        model = load(AutoModelForSequenceClassification, dtype=torch.float32)
+        reward_tokenizer = load(AutoTokenizer)
+        flag, context = f"--reward-model-path {args.reward_model_path}", model.config.max_position_embeddings
+        if model.config.num_labels != 1:
+            raise ArgumentError(f"{flag}: the reward model has {model.config.num_labels} labels; it needs exactly 1")
+        # a decoder (a `score` head) with the policy's vocabulary reads the policy's token ids, whose lengths are
+        # known now; other reward models read prompt + completion re-encoded by their own tokenizer, checked as scored
+        if hasattr(model, "score") and reward_tokenizer.get_vocab() == tokenizer.get_vocab():
+            reward_tokenizer = None
+            contexts.append((model.config, "reward model"))
+        reward = RewardSource("reward_model", flag, model=model, tokenizer=reward_tokenizer, context=context)
+    for config, name in contexts:
+        if longest_prompt + args.response_length > config.max_position_embeddings:
+            lengths = f"--response-length {args.response_length} after the longest prompt ({longest_prompt} tokens)"
+            raise ArgumentError(f"{lengths} is beyond the {name}'s {config.max_position_embeddings} positions")
     for model in (policy, ref_policy, reward and reward.model):
-        if model is not None:
-            disable_dropout(model)  # the log-probs of the rollout and of the update must come from the same function
+        for module in model.modules() if model is not None else []:
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0  # the log-probs of the rollout and of the update must come from the same function
     if args.gradient_checkpointing:
         policy.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         if args.use_peft:
@@ -1210,423 +832,129 @@ def load_models(args, tokenizer, rows, longest_prompt):
 
 def load_policy(args, tokenizer):
     """The policy's initial weights in float32: the toy's (from the seed), or --sft-model-path's."""
-    from transformers import AutoModelForCausalLM
-
     if args.sft_model_path is None:
         return toy_policy(tokenizer, args.seed)  # the same seed: the same initial weights
-    return load_pretrained(
-        args.sft_model_path, "--sft-model-path", AutoModelForCausalLM, args.trust_remote_code, dtype=torch.float32
-    )
-
-
-def add_lora(args, policy):
-    """LoRA adapters on the policy (peft): only they train; B starts at 0, so before the first step the policy
-    computes exactly what its base does."""
-    from peft import LoraConfig, get_peft_model
-
-    config = LoraConfig(
-        r=args.lora_r,
-        lora_alpha=args.lora_alpha,
-        lora_dropout=args.lora_dropout,
-        target_modules=args.lora_target_modules or "all-linear",
-        task_type=args.lora_task_type,
-    )
-    torch.manual_seed(args.seed)  # the adapters' initial weights: the same on every rank and in every run
-    try:
-        return get_peft_model(policy, config)
-    except ValueError as error:
-        raise ArgumentError(
-            f"--lora-target-modules {' '.join(args.lora_target_modules or ['all-linear'])}: {first_line(error)}"
-        ) from None
-
-
-def check_reward_model(source, tokenizer, prompt):
-    """Score one short completion of the first prompt, as the run will: what cannot be scored fails here."""
-    render_tokenizer = source.tokenizer or tokenizer
-    if isinstance(prompt, list) and getattr(render_tokenizer, "chat_template", None) is None:
-        raise ArgumentError(
-            f"{source.flag}: the prompts are chat messages, but the reward model's tokenizer has no "
-            "chat template to render them with"
-        )
-    try:
-        ids = render_for_reward(render_tokenizer, prompt, " hello", stopped=True)
-        ids, mask = pad_batch([ids], render_tokenizer.pad_token_id)
-        with torch.no_grad():
-            value = reward_model_values(source, source.model, ids, mask, torch.tensor([ids.shape[1] - 1]))
-        assert value.shape == (1,), f"one value per sequence, got shape {tuple(value.shape)}"
-    except Exception as error:
-        raise ArgumentError(
-            f"{source.flag}: rloo.py cannot score with this model ({first_line(error)}); it needs "
-            "a sequence classifier with one label (AutoModelForSequenceClassification)"
-        ) from None
-
-
-def disable_dropout(model):
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
+    return load_pretrained(AutoModelForCausalLM, args.sft_model_path, "--sft-model-path", args, dtype=torch.float32)
 
 
 def make_accelerator(args):
-    """The Accelerator, with gloo where there is no CUDA so that DeepSpeed and DDP run on CPUs too, and the
-    DeepSpeed config completed from the flags. Returns (accelerator, zero3)."""
-    from accelerate import Accelerator
-    from accelerate.utils import DistributedType, InitProcessGroupKwargs
-
+    """The Accelerator (gloo without CUDA: DeepSpeed and DDP on CPUs), its DeepSpeed config completed; and zero3."""
     cpu_group = args.world_size > 1 and not torch.cuda.is_available()
     if cpu_group and os.environ.get("ACCELERATE_USE_DEEPSPEED", "false") != "true":
         # `accelerate launch --multi_gpu` on a machine without CUDA: unless told it is on CPUs, accelerate sees no
         # distributed setup, never wraps the policy in DDP, and each rank would train its own copy
         os.environ["ACCELERATE_USE_CPU"] = "true"
-    accelerator = Accelerator(
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
-        log_with=None if args.report_to == "none" else args.report_to,
-        project_dir=args.output_dir,
-        kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if cpu_group else [],
-    )
-    if accelerator.num_processes != args.world_size or (cpu_group and accelerator.distributed_type == "NO"):
-        raise ArgumentError(
-            f"{args.world_size} processes were launched, but accelerate set up "
-            f"{accelerator.distributed_type} with {accelerator.num_processes}: the ranks would train "
-            "apart; launch with --multi_gpu (and ACCELERATE_USE_CPU=true without CUDA) or a DeepSpeed config"
-        )
-    if accelerator.distributed_type != DistributedType.DEEPSPEED:
+    options = dict(log_with=None if args.report_to == "none" else args.report_to, project_dir=args.output_dir)
+    options["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")] if cpu_group else []
+    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps, **options)
+    kind, processes = accelerator.distributed_type, accelerator.num_processes
+    if processes != args.world_size or (cpu_group and kind == "NO"):
+        fix = "launch with --multi_gpu (and ACCELERATE_USE_CPU=true without CUDA) or a DeepSpeed config"
+        raise ArgumentError(f"{args.world_size} processes were launched, but accelerate set up {processes}: {fix}")
+    if kind != "DEEPSPEED":
         return accelerator, False
     ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
     ds_config["train_micro_batch_size_per_gpu"] = args.per_device_train_batch_size
     ds_config["gradient_accumulation_steps"] = args.gradient_accumulation_steps
-    ds_config["train_batch_size"] = (
-        args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
-    )
+    ds_config["train_batch_size"] = args.per_device_train_batch_size * args.gradient_accumulation_steps * processes
     ds_config["gradient_clipping"] = args.max_grad_norm
     ds_config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True  # a full state dict to save
     return accelerator, ds_config["zero_optimization"]["stage"] == 3
 
 
 def prepare_frozen(model, accelerator):
-    """The reference and reward models take no gradient. Under ZeRO-3 each becomes a DeepSpeed engine without an
-    optimizer, sharded across ranks like the policy; otherwise a plain copy on each device."""
-    from accelerate.utils import DistributedType
-
+    """A model that takes no gradient: a DeepSpeed engine without optimizer (sharded like the policy), or a copy."""
     model.eval().requires_grad_(False)
-    if accelerator.distributed_type != DistributedType.DEEPSPEED:
+    if accelerator.distributed_type != "DEEPSPEED":
         return model.to(accelerator.device)
     import deepspeed
 
-    ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
-    config = {k: v for k, v in ds_config.items() if k not in ("optimizer", "scheduler")}
+    config = dict(accelerator.state.deepspeed_plugin.deepspeed_config, optimizer=None, scheduler=None)
     if config["zero_optimization"]["stage"] != 3:
         config["zero_optimization"] = {"stage": 0}  # stages 1-2 shard optimizer state only: nothing to shard here
-    engine, *_ = deepspeed.initialize(model=model, config=config)
-    engine.eval()
+    engine = deepspeed.initialize(model=model, config={k: v for k, v in config.items() if v is not None})[0]
+    engine.eval()  # (a DeepSpeed engine's eval() returns None)
     return engine
 
 
-def prepare_output_dir(args, resume_dir):
-    """Before anything is written: --output-dir is a writable directory that no other live run is writing (a lock
-    holds the pid), a new run does not overwrite another one (unless --overwrite-output-dir), and resuming from
-    another directory's checkpoint needs an empty --output-dir. start_lineage writes, once the models loaded."""
+def prepare_output_dir(args, saved):
+    """Lock --output-dir (`.lock`). A new run refuses a directory that holds another run unless told to delete it;
+    a resume from checkpoint N refuses newer checkpoints, and drops the metrics of updates after N."""
     out = args.output_dir
-    if os.path.isfile(out):
-        raise ArgumentError(f"--output-dir {out} is a file, not a directory; choose another --output-dir")
-    holds_run = bool(checkpoint_dirs(out)) or bool(read_metrics_lines(os.path.join(out, "metrics.jsonl")))
-    own = resume_dir is not None and os.path.realpath(os.path.dirname(resume_dir)) == os.path.realpath(out)
-    if main_rank() and holds_run and resume_dir is None and not args.overwrite_output_dir:
-        raise ArgumentError(
-            f"--output-dir {out} already holds a run; continue it with --resume-from-checkpoint "
-            "latest, start over with --overwrite-output-dir, or choose another --output-dir"
-        )
-    if main_rank() and holds_run and resume_dir is not None and not own:
-        raise ArgumentError(
-            f"--resume-from-checkpoint {resume_dir} belongs to another run, and --output-dir {out} "
-            "already holds one; resume into an empty --output-dir, or from a checkpoint of its own"
-        )
     try:
         os.makedirs(out, exist_ok=True)
-        probe = os.path.join(out, f".write_test.{socket.gethostname()}.{os.getpid()}")  # every process, at once
-        open(probe, "w").close()
-        os.remove(probe)
+        lock = open(os.path.join(out, ".lock"), "a+")  # locked until this process ends, however it ends
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        raise ArgumentError(f"--output-dir {out}: another run (pid {lock.read().strip()}) is writing it") from None
     except OSError as error:
-        raise ArgumentError(f"--output-dir {out}: cannot write there ({error.strerror})") from None
-    if main_rank():
-        take_lock(out)
-
-
-def start_lineage(run, resume_dir):
-    """The output directory as this run's lineage, once the checkpoint loaded (main process; then every rank
-    waits). Resuming from checkpoint N abandons whatever was written after N: moved aside into `abandoned-<time>/`,
-    not deleted. --overwrite-output-dir deletes another run's metrics, evaluations and checkpoints. Returns, on
-    every rank, whether the evaluation after update N is owed: the run stopped before it (a signal, a reward
-    function that failed in it), so the resume runs it first."""
-    out, update, owed = run.args.output_dir, run.start_update, False
-    if run.accelerator.is_main_process:
-        source = os.path.dirname(resume_dir) if resume_dir else out  # another directory's: its metrics so far
-        metrics = read_metrics_lines(os.path.join(source, "metrics.jsonl")) if resume_dir else []
-        evaluations = read_metrics_lines(os.path.join(source, "eval_completions.jsonl")) if resume_dir else []
-        if resume_dir is None:  # a new run: what is there belongs to a run it overwrites
-            for path in glob.glob(os.path.join(out, "checkpoint-*")):
-                shutil.rmtree(path)
-        elif source == out or os.path.realpath(source) == os.path.realpath(out):
-            abandon_after(out, update, metrics, evaluations)
-        evaluated = any(r["update"] == update and "eval/scores" in r for r in metrics)
-        owed = eval_due(run.args, update) and not evaluated
-        # completions of an owed evaluation were written by one cut short before its metrics record: drop them
-        evaluations = [r for r in evaluations if not (owed and r["update"] == update)]
-        for name, records in [("metrics.jsonl", metrics), ("eval_completions.jsonl", evaluations)]:
-            path = os.path.join(out, name)
-            with open(path + ".tmp", "w") as f:  # the updates the checkpoint holds, no more; replaced whole
-                f.writelines(json.dumps(r) + "\n" for r in records if r["update"] <= update)
+        raise ArgumentError(f"--output-dir {out}: cannot write there ({error})") from None
+    lock.truncate(0)
+    print(os.getpid(), file=lock, flush=True)  # for the message of a run refused meanwhile
+    LOCKS.append(lock)
+    checkpoints = checkpoint_dirs(out)
+    holds_run = bool(checkpoints) or os.path.exists(os.path.join(out, "metrics.jsonl"))
+    own = saved is not None and os.path.samefile(os.path.dirname(saved["path"]), out)
+    if holds_run and saved is None and not args.overwrite_output_dir:
+        fix = "--resume-from-checkpoint latest, --overwrite-output-dir, or another --output-dir"
+        raise ArgumentError(f"--output-dir {out} holds a run: {fix}")
+    if holds_run and saved is not None and not own:
+        raise ArgumentError(f"--output-dir {out} holds another run; resume {saved['path']} into an empty one")
+    newer = [os.path.basename(path) for path in checkpoints if own and int(path.split("-")[-1]) > saved["update"]]
+    if newer:
+        raise ArgumentError(f"--resume-from-checkpoint: {', '.join(newer)} are newer; resume `latest` or delete them")
+    for path in checkpoints if saved is None else []:  # --overwrite-output-dir
+        shutil.rmtree(path)
+    for path in [os.path.join(out, name) for name in ("metrics.jsonl", "eval_completions.jsonl")]:
+        if os.path.exists(path):  # keep the records of the updates the checkpoint holds (a cut last line: none)
+            with open(path) as f:
+                lines = [line for line in f if line.endswith("\n") and saved]
+            with open(path + ".tmp", "w") as f:
+                f.writelines(line for line in lines if json.loads(line)["update"] <= saved["update"])
             os.replace(path + ".tmp", path)
-    run.accelerator.wait_for_everyone()
-    return agree(owed, run.accelerator.device)
-
-
-def abandon_after(out, update, metrics, evaluations):
-    """Move what a run wrote after checkpoint `update` (newer checkpoints, their metrics and evaluations, a final
-    model) aside."""
-    later = [d for d in checkpoint_dirs(out) if checkpoint_number(d) > update]
-    final = [p for p in glob.glob(os.path.join(out, "*")) if os.path.basename(p) in FINAL_MODEL_FILES]
-    later_metrics = [m for m in metrics if m["update"] > update]
-    if not (later or later_metrics):
-        return
-    aside = os.path.join(out, f"abandoned-{int(time.time())}")
-    os.makedirs(aside)
-    for path in later + final:
-        shutil.move(path, aside)
-    for name, records in [("metrics.jsonl", later_metrics), ("eval_completions.jsonl", evaluations)]:
-        with open(os.path.join(aside, name), "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in records if r["update"] > update)
-    names = ", ".join(os.path.basename(p) for p in later) or "no checkpoint"
-    print(
-        f"rloo.py: resuming from checkpoint-{update} abandons what was written after it ({names}, "
-        f"{len(later_metrics)} metrics lines{', the final model' if final else ''}): moved to {aside}",
-        file=sys.stderr,
-    )
-
-
-# what save_final_model writes into --output-dir (besides the tokenizer's files)
-FINAL_MODEL_FILES = (
-    "config.json",
-    "generation_config.json",
-    "model.safetensors",
-    "model.safetensors.index.json",
-    "adapter_config.json",
-    "adapter_model.safetensors",
-    "merged",
-)
-
-
-def read_metrics_lines(path):
-    """metrics.jsonl's records; a last line cut short (a crash or a full disk while appending) is dropped."""
-    lines = read_text(path).splitlines() if os.path.exists(path) else []
-    records = []
-    for number, line in enumerate(lines, 1):
-        try:
-            records.append(json.loads(line))
-        except ValueError:
-            if number < len(lines):
-                raise ArgumentError(f"{path}, line {number}: not a metrics record; repair or remove it") from None
-    return records
-
-
-LOCKS = []  # the lock files this process holds, released when main() ends
-
-
-def take_lock(out, take=True):
-    """`.lock` in the output directory names the host and pid of the run writing it: while that process lives,
-    another run into the directory is refused (a resume started while a stopping run still saves, say). A lock
-    whose process is gone is stale and removed. With take=False, only check."""
-    path, me = os.path.join(out, ".lock"), f"{socket.gethostname()} {os.getpid()}"
-    if os.path.exists(path):
-        host, _, pid = read_text(path).partition(" ")
-        pid = int(pid) if pid.isdigit() else 0
-        if host != socket.gethostname() or (pid != os.getpid() and process_alive(pid)):
-            raise ArgumentError(
-                f"--output-dir {out}: another run (pid {pid} on {host}) is writing it; wait for it "
-                f"to end, or stop it (if it is gone, delete {path})"
-            )
-        os.remove(path)
-    if take:
-        try:
-            with open(path, "x") as f:  # fails if another run took it since
-                f.write(me)
-        except FileExistsError:
-            raise ArgumentError(f"--output-dir {out}: another run started writing it just now") from None
-        LOCKS.append((path, me))
-
-
-def read_text(path):
-    with open(path) as f:
-        return f.read()
-
-
-def process_alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return pid > 0
-
-
-def release_locks():
-    while LOCKS:
-        path, me = LOCKS.pop()
-        with contextlib.suppress(OSError):
-            if read_text(path) == me:
-                os.remove(path)
-
-
-def find_checkpoint(args, world_size):
-    """The checkpoint to resume from and its trainer_state.json. `latest` is the newest intact one (a damaged one
-    is skipped with a warning); a checkpoint named explicitly must be intact."""
-    resume_dir = args.resume_from_checkpoint
-    if resume_dir == "latest" and not args.output_dir:
-        raise ArgumentError("--resume-from-checkpoint latest looks in --output-dir: give --output-dir")
-    if resume_dir == "latest":
-        for resume_dir in reversed(checkpoint_dirs(args.output_dir)):
-            saved, problem = read_checkpoint(resume_dir)
-            if problem is None:
-                break
-            if main_rank():
-                print(f"rloo.py: warning: {resume_dir} is damaged ({problem}); trying an older one", file=sys.stderr)
-        else:
-            raise ArgumentError(
-                f"--resume-from-checkpoint latest: no intact checkpoint in {args.output_dir}; start "
-                "over with --overwrite-output-dir"
-            )
-    else:
-        resume_dir = os.path.normpath(resume_dir)  # a trailing slash must not make it another directory's
-        if not os.path.exists(os.path.join(resume_dir, "trainer_state.json")):
-            raise ArgumentError(f"--resume-from-checkpoint {resume_dir}: not a checkpoint directory written by rloo.py")
-        saved, problem = read_checkpoint(resume_dir)
-        if problem is not None:
-            raise ArgumentError(
-                f"--resume-from-checkpoint {resume_dir} is damaged ({problem}); resume from another checkpoint"
-            )
-    if saved["world_size"] != world_size:
-        raise ArgumentError(
-            f"--resume-from-checkpoint {resume_dir}: written by {saved['world_size']} processes, "
-            f"this run has {world_size}; launch with --num_processes {saved['world_size']}"
-        )
-    return resume_dir, saved
-
-
-def read_checkpoint(path):
-    """(trainer_state, None), or (None, what is wrong with the checkpoint). trainer_state.json lists every file
-    with its size: each must be there whole; the RNG states and safetensors headers must also read."""
-    try:
-        with open(os.path.join(path, "trainer_state.json")) as f:
-            saved = json.load(f)
-        files, world_size = saved["files"], saved["world_size"]
-        [saved[key] for key in ("update", "args", "score_history", "elapsed", "skipped_steps", "consecutive_skips")]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None, "trainer_state.json is missing or unreadable"
-    for name in [f"random_states_{rank}.pkl" for rank in range(world_size)] + list(files):
-        full = os.path.join(path, name)
-        if name not in files or not os.path.isfile(full):
-            return None, f"{name} is missing"
-        if os.path.getsize(full) != files[name]:
-            return None, f"{name} has {os.path.getsize(full)} bytes, not {files[name]}"
-        try:
-            if name.endswith(".pkl"):
-                torch.load(full, weights_only=False)  # every rank's RNG state: small, and a resume needs it exact
-            elif name.endswith(".safetensors"):
-                with open(full, "rb") as f:
-                    json.loads(f.read(int.from_bytes(f.read(8), "little")))
-        except Exception:
-            return None, f"{name} is unreadable"
-    return saved, None
-
-
-# flags that set the prompts, their order, the batch and the run's length: a resume must keep them. The others
-# (the loss's coefficients, output, logging, saving) may change on purpose.
-RESUME_FIXED = (
-    "rloo_k per_device_train_batch_size gradient_accumulation_steps num_mini_batches total_episodes response_length "
-    "seed sft_model_path dataset_name dataset_split dataset_text_field max_prompt_length token_level_kl use_peft "
-    "lora_r lora_alpha lora_target_modules lora_task_type"
-).split()
-
-
-def check_checkpoint_args(args, saved, resume_dir):
-    for name in RESUME_FIXED:
-        if saved["args"][name] != getattr(args, name):
-            flag = "--" + name.replace("_", "-")
-            raise ArgumentError(
-                f"--resume-from-checkpoint {resume_dir}: written with {flag} {saved['args'][name]}, "
-                f"this run has {getattr(args, name)}; use the same {flag}"
-            )
 
 
 def checkpoint_dirs(output_dir):
-    """Complete checkpoints, oldest first: `checkpoint-<update>` directories with a trainer_state.json (a
-    checkpoint is written as `*.tmp` and renamed when complete)."""
-    found = glob.glob(os.path.join(output_dir, "checkpoint-*"))
-    found = [d for d in found if re.fullmatch(r"checkpoint-\d+", os.path.basename(d))]
-    return sorted((d for d in found if os.path.exists(os.path.join(d, "trainer_state.json"))), key=checkpoint_number)
+    """`checkpoint-<update>` directories, oldest first (one still being written is `checkpoint-<update>.tmp`)."""
+    names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
+    numbered = [name for name in names if name.startswith("checkpoint-") and name[11:].isdigit()]
+    return [os.path.join(output_dir, name) for name in sorted(numbered, key=lambda name: int(name[11:]))]
 
 
-def checkpoint_number(path):
-    return int(os.path.basename(os.path.normpath(path)).split("-")[1])
+def read_checkpoint(args):
+    """trainer_state.json of --resume-from-checkpoint (`latest`: the newest in --output-dir), with its "path"."""
+    path = args.resume_from_checkpoint
+    if path == "latest":
+        found = checkpoint_dirs(args.output_dir) if args.output_dir else []
+        if not found:
+            raise ArgumentError(f"--resume-from-checkpoint latest: no checkpoint in --output-dir {args.output_dir}")
+        path = found[-1]
+    if path is None:
+        return None
+    try:
+        with open(os.path.join(path, "trainer_state.json")) as f:
+            return json.load(f) | {"path": os.path.normpath(path)}
+    except (OSError, ValueError) as error:
+        raise ArgumentError(f"--resume-from-checkpoint {path}: not a checkpoint ({error!r:.160})") from None
 
 
-def resume_or_seed(run, resume_dir, saved):
-    """Resume: weights, optimizer and every rank's RNG come back; data order and learning rate follow from the
-    update counter. A new run seeds each rank."""
-    accelerator, args = run.accelerator, run.args
-    # every rank must have found the same checkpoint: on several machines, --output-dir must be shared
-    found = accelerator.gather(torch.tensor([saved["update"] if saved else -1], device=accelerator.device))
-    if found.min() != found.max():
-        raise ArgumentError(
-            f"--resume-from-checkpoint: the processes found different checkpoints (updates "
-            f"{sorted(set(found.tolist()))}); --output-dir must be on a filesystem every node shares"
-        )
-    if resume_dir is not None:
-        try:
-            accelerator.load_state(resume_dir)
-        except Exception as error:
-            raise ArgumentError(
-                f"--resume-from-checkpoint {resume_dir}: cannot load it ({first_line(error)})"
-            ) from None
-        run.start_update, run.history, run.elapsed_before = saved["update"], saved["score_history"], saved["elapsed"]
-        run.last_saved, run.skipped_steps = saved["update"], saved["skipped_steps"]
-        run.consecutive_skips = saved["consecutive_skips"]
-        if accelerator.is_main_process:
-            print(f"resumed from {resume_dir} at update {run.start_update}")
-    else:
-        # each (seed, rank) its own stream, far from the next seed's: seed 42 rank 1 is not seed 43 rank 0; a fixed
-        # seed and world size give the same run (python's and numpy's generators too, for reward functions)
-        set_rng_states(rank_seed(args.seed, accelerator.process_index))
-
-
-def rank_seed(seed, rank):
-    return seed + 100003 * rank
-
-
-def rng_states():
-    """Every random generator's state: python's, numpy's, torch's (and CUDA's)."""
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    return random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda
-
-
-def set_rng_states(states):
-    """Restore rng_states(), or seed every generator with one integer."""
-    if isinstance(states, int):
-        random.seed(states)
-        np.random.seed(states)
-        torch.manual_seed(states)
-        return
-    random.setstate(states[0])
-    np.random.set_state(states[1])
-    torch.set_rng_state(states[2])
-    if states[3] is not None:
-        torch.cuda.set_rng_state_all(states[3])
+def resume_or_seed(run, saved):
+    """Resume (weights, optimizer, every rank's random generators: accelerate's load_state), or seed each rank."""
+    accelerator, rank = run.accelerator, run.accelerator.process_index
+    if saved is None:  # each (seed, rank) its own stream, far from the next seed's: seed 42 rank 1 is not seed 43
+        return set_seed(run.args.seed + 100003 * rank)  # python's and numpy's too, for reward functions
+    try:  # load_state skips random states it cannot read, without a word: read them here first
+        torch.load(os.path.join(saved["path"], f"random_states_{rank}.pkl"), weights_only=False)
+        accelerator.load_state(saved["path"])
+    except Exception as error:
+        raise ArgumentError(f"--resume-from-checkpoint {saved['path']}: cannot load it ({error!r:.160})") from None
+    run.start_update, run.history, run.elapsed_before = saved["update"], saved["score_history"], saved["elapsed"]
+    run.skipped_steps, run.consecutive_skips = saved["skipped_steps"], saved["consecutive_skips"]
 
 
 def batch_indices(args, num_prompts, update, rank):
-    """This rank's B prompt indices for the update. One shuffled order per pass over the prompts, the same on
-    every rank; each rank takes its slice."""
+    """This rank's B prompt indices: its slice of one shuffled order per pass over the prompts."""
     B = args.local_dataloader_batch_size
     batches_per_pass = num_prompts // (B * args.world_size)
     generator = torch.Generator().manual_seed(args.seed * 100003 + update // batches_per_pass)  # one per (seed, pass)
@@ -1638,10 +966,9 @@ def batch_indices(args, num_prompts, update, rank):
 @contextlib.contextmanager
 def generation_context(run):
     """The model to sample from, and whether sampling must stay in step across ranks. Under ZeRO-3 with
-    ds3_gather_for_generation, the full weights are gathered once for the whole rollout and ZeRO-3's hooks come
-    off meanwhile: they would release each weight after its use and gather it again at the next decoding step,
-    a collective per step, which ranks whose completions stop at different steps would issue different numbers
-    of. The rollout then makes no collective at all."""
+    ds3_gather_for_generation, the weights are gathered once per rollout and ZeRO-3's hooks come off: they would gather
+    each weight at every decoding step, a collective that ranks stopping at different steps would issue unevenly."""
+    run.policy.eval()  # no dropout anyway; eval lets generation use the KV cache under gradient checkpointing
     model = run.accelerator.unwrap_model(run.policy)
     if not (run.zero3 and run.args.ds3_gather_for_generation):
         yield model, run.zero3  # a sharded model needs every rank in each forward
@@ -1666,42 +993,31 @@ def generation_context(run):
 @contextlib.contextmanager
 def reference_model(run):
     """The frozen reference: its own model, or with LoRA the policy itself with its adapters switched off."""
-    if run.ref_policy is not None:
-        yield run.ref_policy
-        return
     policy = run.accelerator.unwrap_model(run.policy)
-    with policy.disable_adapter():
-        yield policy
+    with policy.disable_adapter() if run.ref_policy is None else contextlib.nullcontext():
+        yield policy if run.ref_policy is None else run.ref_policy
 
 
 def optimizer_step(run):
-    """At the last micro-batch of a mini-batch (outside DeepSpeed, which steps inside backward): clip the gradient
-    norm, step unless it is non-finite, zero the gradients. Returns 1 for a skipped step, else 0."""
+    """At a mini-batch's end (DeepSpeed steps in backward): clip, step unless the norm is not finite, zero."""
     accelerator = run.accelerator
-    if not accelerator.sync_gradients or run.deepspeed:
-        return 0
+    if not accelerator.sync_gradients or accelerator.distributed_type == "DEEPSPEED":
+        return
     max_norm = run.args.max_grad_norm or math.inf  # 0: no clipping, but the norm is still checked
-    grad_norm = accelerator.clip_grad_norm_(run.policy.parameters(), max_norm)
-    finite = math.isfinite(grad_norm)  # one host sync per optimizer step
+    finite = math.isfinite(accelerator.clip_grad_norm_(run.policy.parameters(), max_norm))  # one host sync
     if finite or accelerator.scaler is not None:
         run.optimizer.step()  # under fp16 the grad scaler itself skips a non-finite step
     run.optimizer.zero_grad()
-    return int(not finite)
+    run.skipped_steps += int(not finite)
 
 
-def rollout_sums(run, responses, response_mask, old_logprobs, sequence_kl, raw_scores, scores):
-    """The rollout's sums for the metrics (this rank's; update_metrics adds them up over every rank)."""
-    args = run.args
-    grouped = raw_scores.view(args.rloo_k, -1)  # (k, B)
-    return {
-        "kl": sequence_kl.sum(),
-        "neglogp": (-old_logprobs[response_mask]).sum(),
-        "scores": raw_scores.sum(),
-        "rlhf": (scores - args.kl_coef * sequence_kl).sum(),
-        "generated": response_mask.sum(),
-        "eos": ((responses == run.tokenizer.eos_token_id) & response_mask).sum(),
-        "zero_std": (grouped == grouped[0]).all(0).sum(),  # prompts whose k scores are all equal
-    }
+def rollout_is_finite(run, scores, advantages, logprobs):
+    """The non-finite guard's verdict on every rank (False: skip); the scores are checked before clipping."""
+    finite = torch.stack([torch.isfinite(values).all() for values in (scores, advantages, logprobs)]).all()
+    finite = bool(all_reduce_sum((~finite).float()) == 0)
+    run.skipped_steps += int(not finite)
+    run.consecutive_skips = 0 if finite else run.consecutive_skips + 1
+    return finite
 
 
 @torch.no_grad()
@@ -1710,34 +1026,27 @@ def add_stats(stats, loss, clipfrac, new_logprobs, old_logprobs, entropy, mask, 
     ratio_log = log_ratio(new_logprobs, old_logprobs, mask, not token_level)
     term_mask = mask if token_level else torch.ones_like(ratio_log, dtype=torch.bool)
     ratio, terms = ratio_log.exp()[term_mask], term_mask.sum()
-    for name, value in [
-        ("loss", loss * terms),
-        ("clipfrac", clipfrac * terms),
-        ("approxkl", 0.5 * (ratio_log[term_mask] ** 2).sum()),
-        ("ratio", ratio.sum()),
-        ("ratio_sq", (ratio**2).sum()),
-        ("entropy", entropy[mask].sum()),
-        ("terms", terms),
-        ("tokens", mask.sum()),
-    ]:
+    approxkl, entropy, tokens = 0.5 * (ratio_log[term_mask] ** 2).sum(), entropy[mask].sum(), mask.sum()
+    values = (loss * terms, clipfrac * terms, approxkl, ratio.sum(), (ratio**2).sum(), entropy, terms, tokens)
+    for name, value in zip(STAT_NAMES, values):
         stats[name] = stats[name] + value
 
 
-def update_metrics(run, update, stats, lr, times):
-    """The update's metrics from its sums, reduced over every rank in one all-reduce, which also tells every rank
-    whether any of them got a stop signal. Returns (metrics, stopping)."""
-    args, device = run.args, run.accelerator.device
+def log_metrics(run, update, stats, lr, times, samples):
+    """The update's metrics from its sums, in one all-reduce over every rank (which also tells every rank whether
+    any got a stop signal: returned), to metrics.jsonl, the tracker and the terminal."""
+    args, accelerator, done = run.args, run.accelerator, update + 1
     stats["stop_signals"] = len(run.stop_signals)
-    values = torch.stack([torch.as_tensor(v, dtype=torch.float, device=device) for v in stats.values()])
+    values = torch.stack([torch.as_tensor(v, dtype=torch.float, device=accelerator.device) for v in stats.values()])
     totals = dict(zip(stats, all_reduce_sum(values).tolist()))
     n, terms, tokens = args.batch_size, max(totals["terms"], 1.0), max(totals["tokens"], 1.0)
-    t0, t1, t2, t3 = times
-    episode = (update + 1) * args.batch_size
+    t0, t1, t2, t3 = times  # "other" is the time since the previous update's training: metrics, evaluation, saving
+    phases = dict(zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t0 - run.previous_end)))
     mean_ratio = totals["ratio"] / terms
     metrics = {
-        "update": update + 1,
-        "episode": episode,
-        "eps": (episode - run.start_update * args.batch_size) / max(time.perf_counter() - run.start_time, 1e-9),
+        "update": done,
+        "episode": done * n,
+        "eps": (done - run.start_update) * n / max(time.perf_counter() - run.start_time, 1e-9),
         "lr": lr,
         "objective/kl": totals["kl"] / n,
         "objective/entropy": totals["neglogp"] / n,  # of the sampled tokens, summed over each completion
@@ -1755,320 +1064,125 @@ def update_metrics(run, update, stats, lr, times):
         "frac_reward_zero_std": totals["zero_std"] * args.rloo_k / n,  # of the prompts (n / k of them)
         **{key: total / n for key, total in totals.items() if key.startswith("rewards/")},  # before weighting
         "train/skipped_steps": run.skipped_steps,
-        # where this update's time went; "other" is everything since the previous update's training ended
-        # (its metrics, logging and checkpoint, then this update's data)
-        "time/generation": t1 - t0,
-        "time/scoring": t2 - t1,
-        "time/training": t3 - t2,
-        "time/other": t0 - run.previous_end,
+        **{f"time/{phase}": seconds for phase, seconds in phases.items()},  # where this update's time went
         "time/tokens_per_second": totals["generated"] / max(t1 - t0, 1e-9),  # generated, over every rank
         "time/peak_memory_mib": peak_memory_mib(),  # this rank's
     }
-    for phase in PHASES:
-        run.phase_totals[phase] += metrics[f"time/{phase}"]
-    run.phase_totals["tokens"] += totals["generated"]
+    run.phase_totals = {phase: run.phase_totals[phase] + seconds for phase, seconds in phases.items()}
     run.history.append(metrics["objective/scores"])
-    return metrics, totals["stop_signals"] > 0
-
-
-def log_update(run, update, metrics, queries, responses, scores):
-    """metrics.jsonl, a progress line every twentieth of the run, sample tables, the tracker."""
-    from tqdm.auto import tqdm
-
-    args, accelerator = run.args, run.accelerator
-    if accelerator.is_main_process:
-        append_lines(run, "metrics.jsonl", [metrics])
-        if metrics["objective/scores_clipped_frac"] > 0.1 and not run.warned_clipping:
-            run.warned_clipping = True
-            tqdm.write(
-                f"rloo.py: warning: update {update + 1} clipped {metrics['objective/scores_clipped_frac']:.0%} of "
-                f"its scores to --reward-clip-range {args.reward_clip_range}; raise it, or rescale the reward "
-                "(--normalize-reward)"
-            )
-        if (update + 1) % max(1, args.num_total_batches // 20) == 0 or update == run.start_update:
-            tqdm.write(
-                f"update {update + 1}/{args.num_total_batches}  score {metrics['objective/scores']:.3f}  "
-                f"kl {metrics['objective/kl']:.2f}  loss {metrics['loss/policy_avg']:.4f}  "
-                f"clipfrac {metrics['policy/clipfrac_avg']:.2f}  eps {metrics['eps']:.1f}"
-            )
-        sample_every = max(1, args.num_total_batches // max(args.num_sample_generations, 1))
-        if args.num_sample_generations > 0 and (update + 1) % sample_every == 0:
-            prompts = run.tokenizer.batch_decode(queries, skip_special_tokens=True)
-            completions = run.tokenizer.batch_decode(responses, skip_special_tokens=True)
-            tqdm.write(f"{'prompt':<32} | {'completion':<60} | score")
-            for p, c, s in zip(prompts, completions, scores.tolist()):
-                tqdm.write(f"{printable(p, 32):<32} | {printable(c):<60} | {s:.3f}")
     if args.report_to != "none":
         accelerator.log(metrics, step=metrics["episode"])
-
-
-def agree(flag, device):
-    """True on every rank if `flag` is true on any: one all-reduce, so that every rank takes the same branch."""
-    return bool(all_reduce_sum(torch.tensor([float(flag)], device=device)).item() > 0)
-
-
-def rollout_is_finite(run, update, scores, advantages, logprobs):
-    """The non-finite guard's verdict, the same on every rank (False: skip the update). The scores are checked
-    before clipping, which would turn an inf into a finite number. A reward function that failed on any rank ends
-    the run here, with a checkpoint of the last completed update."""
-    bad = [~torch.isfinite(scores).all() | ~torch.isfinite(advantages).all(), ~torch.isfinite(logprobs).all()]
-    failed = torch.tensor(run.reward_error is not None, device=scores.device)
-    bad_scores, bad_logprobs, failed = (all_reduce_sum(torch.stack([*bad, failed]).float()) > 0).tolist()
-    if failed:
-        set_rng_states(run.rng_at_update_start)  # so that a resume samples this update again, the same way
-        if 0 < update != run.last_saved:
-            save_checkpoint(run, update)
-        kept = f"checkpoint-{update} holds the last completed update" if update else "no update had completed"
-        raise SystemExit(
-            f"rloo.py: error: {run.reward_error or 'a reward function failed on another process'}; "
-            f"stopped in update {update + 1} ({kept}); fix it and resume with --resume-from-checkpoint latest"
-        )
-    run.problem = "log-probs" if bad_logprobs else "scores" if bad_scores else None
-    return run.problem is None
-
-
-def load_eval_prompts(args, tokenizer):
-    """The held-out prompts: the first num_eval_prompts of --eval-dataset-name (or --dataset-name) split
-    --eval-split."""
-    path = args.eval_dataset_name or args.dataset_name
-    flag = "--eval-dataset-name" if args.eval_dataset_name else "--dataset-name (for evaluation, --eval-split)"
-    prompts, rows, _ = load_prompts(args, tokenizer, path, args.eval_split, flag)
-    if not args.eval_dataset_name and (path is None or path.endswith(".jsonl")) and main_rank():
-        print(
-            f"rloo.py: warning: evaluating on the training prompts ({path or 'the toy task'} has no other split); "
-            "give --eval-dataset-name for held-out prompts",
-            file=sys.stderr,
-        )
-    return prompts[: args.num_eval_prompts], rows[: args.num_eval_prompts]
+    if accelerator.is_main_process:
+        append_lines(args, "metrics.jsonl", [metrics])
+        if done % max(1, args.num_total_batches // 20) == 0 or update == run.start_update:
+            shown = f"score {metrics['objective/scores']:.3f}  kl {metrics['objective/kl']:.2f}"
+            print(f"update {done}/{args.num_total_batches}  {shown}  eps {metrics['eps']:.1f}")
+        if args.num_sample_generations and done % max(1, args.num_total_batches // args.num_sample_generations) == 0:
+            prompts, completions = (run.tokenizer.batch_decode(ids, skip_special_tokens=True) for ids in samples[:2])
+            print(f"{'prompt':<32} | {'completion':<60} | score")
+            for prompt, completion, score in zip(prompts, completions, samples[2].tolist()):  # control bytes escaped
+                print(f"{repr(prompt)[1:-1][:32]:<32} | {repr(completion)[1:-1][:60]:<60} | {score:.3f}")
+    return totals["stop_signals"] > 0
 
 
 @torch.no_grad()
 def evaluate(run, update):
-    """Held-out evaluation after `update`: one completion per prompt (greedy, or sampled at eval_temperature from a
-    stream of its own), scored by the reward sources as in training (with the missing-EOS penalty). The prompts are
-    shared out among the ranks, padded to equal counts so that ZeRO-3's sharded forwards stay in step; no optimizer
-    step, and every random generator is left as it was, so the training run does not change."""
-    args, accelerator, tokenizer = run.args, run.accelerator, run.tokenizer
-    device, pad_token_id, rank = accelerator.device, tokenizer.pad_token_id, accelerator.process_index
-    per_rank = math.ceil(len(run.eval_prompts) / args.world_size)
-    mine = list(range(rank * per_rank, min((rank + 1) * per_rank, len(run.eval_prompts))))
-    indices = (mine + [0] * per_rank)[:per_rank]  # padded with prompt 0, whose results are left out
-    training_rng = rng_states()
-    set_rng_states((rank_seed(args.seed, rank) + update) % 2**32)
-    run.policy.eval()
-    queries, query_mask = (t.to(device) for t in pad_batch([run.eval_prompts[i] for i in indices], pad_token_id))
-    with generation_context(run) as (model, synced):
-        responses = rollout(model, queries, query_mask, args, args.eval_temperature, pad_token_id, synced)
-    responses, response_mask = truncate_response(responses, args.stop_token_id, pad_token_id)
+    """Held-out evaluation after `update`: steps 1, 2, 4 and 5 at eval_temperature, sampling from a generator of its
+    own. The prompts are shared out among the ranks, padded to equal counts so that sharded forwards stay in step."""
+    args, accelerator, tokenizer, total = run.args, run.accelerator, run.tokenizer, len(run.eval_prompts)
+    device, rank, per_rank = accelerator.device, accelerator.process_index, math.ceil(total / args.world_size)
+    mine = list(range(rank * per_rank, min((rank + 1) * per_rank, total)))
+    indices = (mine + [0] * per_rank)[:per_rank]
+    queries, query_mask = pad_batch([run.eval_prompts[i] for i in indices], tokenizer.pad_token_id, device=device)
+    generator = torch.Generator(device).manual_seed(args.seed + 100003 * rank + update)
+    responses, response_mask = rollout(run, queries, query_mask, args.eval_temperature, generator)
+    sequences = (torch.cat([queries, responses], 1), torch.cat([query_mask, response_mask.long()], 1))
     rows = [run.eval_rows[i] for i in indices]
-    query_responses = torch.cat([queries, responses], 1)
-    attention_mask = torch.cat([query_mask, response_mask.long()], 1)
-    scores, rewards = score_completions(run, rows, query_responses, attention_mask, queries.shape[1], response_mask)
-    if args.missing_eos_penalty is not None:
-        missing_stop = ~has_stop_token(responses, response_mask, args.stop_token_id)
-        scores = scores - args.missing_eos_penalty * missing_stop.float()
-    set_rng_states(training_rng)
-    real = torch.arange(per_rank, device=device) < len(mine)  # (per_rank,) not padding
+    scores, rewards = score_completions(run, rows, *sequences, queries.shape[1], response_mask)
     sums = {
         "eval/scores": scores,
         "eval/completion_length": response_mask.sum(1).float(),
         "eval/num_eos_tokens": ((responses == tokenizer.eos_token_id) & response_mask).sum(1).float(),
         **{f"eval/rewards/{name}": values for name, values in rewards.items()},
     }
-    sums["failed"] = torch.full_like(scores, float(run.reward_error is not None))  # a reward function failed
-    totals = dict(zip(sums, all_reduce_sum(torch.stack([torch.where(real, v, 0.0).sum() for v in sums.values()]))))
-    if totals.pop("failed") > 0:  # every rank stops after the update, in end_of_update
-        run.reward_error = run.reward_error or "a reward function failed on another process (in the evaluation)"
-        return
-    metrics = {"update": update} | {key: total.item() / len(run.eval_prompts) for key, total in totals.items()}
-    metrics["eval/num_eos_tokens"] *= len(run.eval_prompts)  # a count over the evaluation, like val/num_eos_tokens
+    real = torch.arange(per_rank, device=device) < len(mine)  # (per_rank,) not padding
+    totals = all_reduce_sum(torch.stack([torch.where(real, values, 0.0).sum() for values in sums.values()])).tolist()
+    metrics = {"update": update} | {key: value / total for key, value in zip(sums, totals)}
+    metrics["eval/num_eos_tokens"] *= total  # a count over the evaluation, like val/num_eos_tokens
     completions = tokenizer.batch_decode(responses, skip_special_tokens=True)
     records = [
-        {"update": update, "prompt": row[args.dataset_text_field], "completion": text, "score": score}
+        dict(update=update, prompt=row[args.dataset_text_field], completion=text, score=score)
         for row, text, score in zip(rows, completions, scores.tolist())
-    ][: len(mine)]
-    if args.world_size > 1:
-        from accelerate.utils import gather_object
-
-        records = gather_object(records)
+    ]
+    records = gather_object(records[: len(mine)]) if args.world_size > 1 else records[: len(mine)]
     if accelerator.is_main_process:
-        append_lines(run, "metrics.jsonl", [metrics])
-        append_lines(run, "eval_completions.jsonl", records)
+        append_lines(args, "metrics.jsonl", [metrics])
+        append_lines(args, "eval_completions.jsonl", records)
     if args.report_to != "none":
         accelerator.log(metrics, step=update * args.batch_size)
 
 
-def eval_due(args, done):
-    """Whether the evaluation schedule holds an evaluation after `done` updates: every eval_steps, and the last."""
-    return bool(args.eval_steps) and done > 0 and (done % args.eval_steps == 0 or done == args.num_total_batches)
-
-
 def end_of_update(run, update, stopping):
-    """After the update's metrics: the evaluation (not when stopping: a preempted run has little time), then
-    checkpoints every save_steps updates, at the end, on preemption, and when the run must stop."""
-    args, done, device = run.args, update + 1, run.accelerator.device
-    if eval_due(args, done) and not stopping:  # when stopping, the resume evaluates first (see start_lineage)
+    """The evaluation and the checkpoint when due; a stop after 3 skipped updates in a row, or on a signal."""
+    args, done = run.args, update + 1
+    if args.eval_steps and (done % args.eval_steps == 0 or done == args.num_total_batches):
         evaluate(run, done)
-    if run.consecutive_skips >= 3 and run.problem == "log-probs":  # no checkpoint: the weights themselves may be NaN
-        raise SystemExit(
-            f"rloo.py: stopped at update {done}: the policy's log-probs were not finite in 3 updates in a "
-            f"row: its weights diverged, or --temperature {args.temperature} is too small; lower "
-            f"--learning-rate (now {args.learning_rate}) or raise --temperature, and resume from an "
-            "earlier checkpoint"
-        )
-    failed_write = agree(run.write_error is not None, device)  # the main process alone appends to the files
-    failed = run.consecutive_skips >= 3 or run.reward_error is not None or failed_write
-    if done % args.save_steps == 0 or done == args.num_total_batches or stopping or failed:
+    if run.consecutive_skips >= 3:  # no checkpoint: the weights themselves may have diverged
+        fix = "check the reward; or lower --learning-rate, raise --temperature, and resume from an earlier checkpoint"
+        raise SystemExit(f"rloo.py: error: updates {done - 2}-{done} had scores or log-probs not finite: {fix}")
+    if done % args.save_steps == 0 or done == args.num_total_batches or stopping:
         save_checkpoint(run, done)
-    if failed:
-        why = (
-            "non-finite scores (NaN or inf) in 3 updates in a row; check the reward function or model"
-            if run.consecutive_skips >= 3
-            else run.reward_error or run.write_error or "a write failed on rank 0"
-        )
-        raise SystemExit(f"rloo.py: error: stopped after update {done}: {why} (checkpoint-{done} holds the run so far)")
     if stopping:
         number = run.stop_signals[0] if run.stop_signals else signal.SIGTERM  # another rank's signal: stop alike
         if run.accelerator.is_main_process:
-            print(
-                f"rloo.py: stopped by {signal.Signals(number).name} after update {done}; checkpoint written. Resume "
-                f"with: --output-dir {args.output_dir} --resume-from-checkpoint latest",
-                file=sys.stderr,
-            )
+            resume = f"resume with --output-dir {args.output_dir} --resume-from-checkpoint latest"
+            print(f"rloo.py: stopped by {signal.Signals(number).name} after update {done}; {resume}", file=sys.stderr)
         sys.exit(128 + number)  # 130 for SIGINT, 143 for SIGTERM
 
 
-def append_lines(run, name, records):
-    """Append JSON lines to a file of the output directory (main process); a failure (a full disk) is kept for
-    end_of_update, which stops every rank together."""
-    try:
-        with open(os.path.join(run.args.output_dir, name), "a") as f:
-            f.writelines(json.dumps(record) + "\n" for record in records)
-    except OSError as error:
-        run.write_error = f"cannot append to {name}: {error.strerror} ({free_space(run.args.output_dir)})"
+def append_lines(args, name, records):
+    with open(os.path.join(args.output_dir, name), "a") as f:
+        f.writelines(json.dumps(record) + "\n" for record in records)
 
 
 def save_checkpoint(run, update):
-    """Weights, optimizer, RNG of every rank (accelerate's save_state), plus the counters and the size of every
-    file, into checkpoint-<update>.tmp, renamed into place once complete: a crash or a full disk mid-save leaves
-    the previous checkpoint intact. Every rank learns of a failure on any rank, and all stop with one line."""
+    """accelerate's save_state (weights, optimizer, every rank's random generators) and the counters, into a .tmp
+    directory renamed when whole: a crash mid-save leaves the previous checkpoint intact."""
     accelerator, args = run.accelerator, run.args
     final = os.path.join(args.output_dir, f"checkpoint-{update}")
-    tmp, failure = final + ".tmp", None
-    if accelerator.is_main_process and os.path.exists(tmp):
-        shutil.rmtree(tmp)
+    if accelerator.is_main_process:
+        shutil.rmtree(final + ".tmp", ignore_errors=True)  # left by a run killed while saving
     accelerator.wait_for_everyone()
-    try:
-        accelerator.save_state(tmp)
-    except Exception as error:  # safetensors and torch.save report a full disk in their own words
-        failure = error
-    if not agree(failure is not None, accelerator.device) and accelerator.is_main_process:  # every rank's files
-        files = {
-            os.path.relpath(os.path.join(d, f), tmp): os.path.getsize(os.path.join(d, f))
-            for d, _, names in os.walk(tmp)
-            for f in names
-        }
-        state = {
-            "update": update,
-            "world_size": args.world_size,
-            "args": asdict(args),
-            "score_history": run.history,
-            "elapsed": run.elapsed_before + time.perf_counter() - run.start_time,
-            "files": files,
-            "skipped_steps": run.skipped_steps,
-            "consecutive_skips": run.consecutive_skips,
-        }
-        try:
-            with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-                json.dump(state, f)
-            if os.path.exists(final):
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-        except OSError as error:
-            failure = error
-    if agree(failure is not None, accelerator.device):
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise SystemExit(
-            f"rloo.py: error: cannot write {tmp}: {first_line(failure or 'on another process')} "
-            f"({free_space(args.output_dir)}); free space, then resume from the last checkpoint"
-        )
-    run.last_saved = update
-    if accelerator.is_main_process and args.save_total_limit:
-        for old in checkpoint_dirs(args.output_dir)[: -args.save_total_limit]:
+    accelerator.save_state(final + ".tmp")
+    if accelerator.is_main_process:
+        state = dict(update=update, world_size=args.world_size, args=asdict(args), score_history=run.history)
+        state |= dict(skipped_steps=run.skipped_steps, consecutive_skips=run.consecutive_skips)
+        state["elapsed"] = run.elapsed_before + time.perf_counter() - run.start_time
+        with open(os.path.join(final + ".tmp", "trainer_state.json"), "w") as f:
+            json.dump(state, f)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(final + ".tmp", final)
+        for old in checkpoint_dirs(args.output_dir)[: -args.save_total_limit] if args.save_total_limit else []:
             shutil.rmtree(old)
     accelerator.wait_for_everyone()
 
 
-def free_space(path):
-    free = shutil.disk_usage(path).free
-    return "no space left on that device" if free < 2**20 else f"{free / 2**20:.0f} MiB free on that device"
-
-
 def save_final_model(run):
-    """The final policy as a normal save_pretrained directory, loadable on one device (with LoRA: the adapter, as
-    a peft directory, and with --merge-adapter the merged model in output_dir/merged); then the speed report."""
+    """The final policy as a save_pretrained directory (with LoRA: the adapter), then the closing line."""
     accelerator, args = run.accelerator, run.args
     state_dict = accelerator.get_state_dict(run.policy)  # under ZeRO-3, gathers the full weights from every rank
     if accelerator.is_main_process:
-        unwrapped = accelerator.unwrap_model(run.policy)
-        unwrapped.save_pretrained(args.output_dir, state_dict=state_dict, safe_serialization=True)
+        accelerator.unwrap_model(run.policy).save_pretrained(args.output_dir, state_dict=state_dict)
         run.tokenizer.save_pretrained(args.output_dir)
-        if args.merge_adapter:  # the adapter on a fresh float32 copy of the base, merged: works whatever the sharding
-            from peft import PeftModel
-
-            merged = PeftModel.from_pretrained(load_policy(args, run.tokenizer), args.output_dir).merge_and_unload()
-            merged.save_pretrained(os.path.join(args.output_dir, "merged"))
-            run.tokenizer.save_pretrained(os.path.join(args.output_dir, "merged"))
-        if args.push_to_hub:
-            unwrapped.push_to_hub(args.hub_model_id or args.run_name)
-            run.tokenizer.push_to_hub(args.hub_model_id or args.run_name)
     accelerator.wait_for_everyone()
     accelerator.end_training()
-    if accelerator.is_main_process and run.history:
-        print_speed_report(run)
-
-
-def print_speed_report(run):
-    """The run's own speed report: throughput, where an update's time went, peak memory; then the score's rise."""
-    args, totals = run.args, run.phase_totals
-    session = max(now() - run.start_time, 1e-9)
-    updates_run = args.num_total_batches - run.start_update
-    phases = sum(totals[p] for p in PHASES)
-    shares = ", ".join(f"{p} {100 * totals[p] / max(phases, 1e-9):.0f}%" for p in PHASES)
-    memory = "peak GPU memory" if torch.cuda.is_available() else "peak RSS"
-    print(
-        f"speed: {updates_run * args.batch_size / session:.1f} episodes/s, "
-        f"{totals['tokens'] / max(totals['generation'], 1e-9):.0f} generated tokens/s while generating, "
-        f"{phases / max(updates_run, 1):.3f} s/update ({shares}); {memory} {peak_memory_mib():.0f} MiB (rank 0)"
-    )
-    tenth = max(1, len(run.history) // 10)
-    print(
-        f"done in {run.elapsed_before + session:.0f}s: {args.num_total_batches} updates, "
-        f"{args.num_total_batches * args.batch_size} episodes; mean score {np.mean(run.history[:tenth]):.3f} "
-        f"(first tenth) -> {np.mean(run.history[-tenth:]):.3f} (last tenth); model saved to {args.output_dir}"
-    )
-
-
-def progress(run):
-    """The updates still to run, with a progress bar on the main process; prints the run's header and starts
-    its clocks."""
-    from tqdm.auto import tqdm
-
-    args, is_main = run.args, run.accelerator.is_main_process
-    threads = "" if torch.cuda.is_available() else f", {torch.get_num_threads()} CPU threads each"
-    sizes = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for p in run.policy.parameters()]  # ZeRO-3: whole
-    trainable = f"{sum(n for n, grad in sizes if grad):,} of {sum(n for n, _ in sizes):,} parameters trained"
-    if is_main:
-        print(
-            f"{args.run_name}: {args.num_total_batches} updates of {args.batch_size} completions "
-            f"({args.local_dataloader_batch_size} prompts x k={args.rloo_k} per process, {args.world_size} "
-            f"processes{threads}; {trainable}) -> {args.output_dir}"
-        )
-    run.start_time = run.previous_end = now()
-    updates = range(run.start_update, args.num_total_batches)
-    for update in tqdm(updates, disable=not is_main, initial=run.start_update, total=args.num_total_batches):
-        run.rng_at_update_start, run.reward_error = rng_states(), None
-        yield update
+    if accelerator.is_main_process and run.history:  # the closing line: speed, where the time went, the score's rise
+        session, updates, totals = now() - run.start_time, args.num_total_batches - run.start_update, run.phase_totals
+        shares = ", ".join(f"{p} {100 * totals[p] / max(sum(totals.values()), 1e-9):.0f}%" for p in PHASES)
+        speed = f"{updates * args.batch_size / session:.1f} episodes/s, {sum(totals.values()) / updates:.3f} s/update"
+        tenth, took = max(1, len(run.history) // 10), f"done in {run.elapsed_before + session:.0f}s"
+        score = f"{sum(run.history[:tenth]) / tenth:.3f} (first tenth) -> {sum(run.history[-tenth:]) / tenth:.3f}"
+        print(f"{took}: {speed} ({shares}), peak memory {peak_memory_mib():.0f} MiB; mean score {score} (last tenth)")
 
 
 def now():
@@ -2077,17 +1191,9 @@ def now():
     return time.perf_counter()
 
 
-def peak_memory_mib():
-    """Peak memory so far: allocated GPU memory on a GPU, the process's resident set size (RSS) on the CPU."""
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
-
-
-def printable(text, width=60):
-    """Control characters and invalid bytes from a random policy, escaped for a terminal."""
-    text = repr(text)[1:-1]
-    return text if len(text) <= width else text[: width - 3] + "..."
+def peak_memory_mib():  # allocated GPU memory; on the CPU, the process's peak resident set size (Linux: in KiB)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else rss
 
 
 if __name__ == "__main__":
