@@ -722,7 +722,7 @@ def load_reward_fn(spec, rows, args):
         raise ArgumentError(f"--reward-fn {spec}: cannot import it ({error}); give module:function") from None
     source = RewardSource(function_name, f"--reward-fn {spec}", fn=fn)
     try:
-        scores = call_reward_fn(source, rows, ["hello", ""][: len(rows)], args.dataset_text_field)
+        scores = call_reward_fn(source, rows, ["hello", "", "hi", "."][: len(rows)], args.dataset_text_field)
     except Exception as error:
         raise ArgumentError(f"{source.flag} failed on two prompts: {error!r:.160}") from None
     if any(math.isnan(score) for score in scores):
@@ -745,13 +745,13 @@ def load_prompts(args, tokenizer, path, split, flag, limit=None):
     if path is None:
         rows = [(f"toy prompt {n}", {field_name: text}) for n, text in enumerate(toy_prompts())]
     elif path.endswith(".jsonl"):  # read directly: no need for the datasets library (and its memory) here
-        with open(path, encoding="utf-8") as f:
-            rows = [(f"line {n}", line) for n, line in enumerate(f.read().split("\n"), 1) if line.strip()]
-        for i, (place, line) in enumerate(rows):
-            try:
-                rows[i] = (place, json.loads(line))
-            except json.JSONDecodeError as error:
-                raise ArgumentError(f"{flag} {path}, {place}: not valid JSON ({error})") from None
+        rows, place = [], "the file"
+        try:
+            with open(path, encoding="utf-8") as f:
+                for place, line in ((f"line {n}", line) for n, line in enumerate(f, 1)):
+                    rows += [(place, json.loads(line))] if line.strip() else []
+        except (OSError, ValueError) as error:  # no such file, not UTF-8 (a ValueError too), not JSON
+            raise ArgumentError(f"{flag} {path}, {place}: {error}") from None
     else:
         import datasets
 
