@@ -80,8 +80,6 @@ def test_rloo_advantages_trl_hand_values():
     # prompt j has samples at rows j, 3+j, 6+j, 9+j; A = r - (S - r)/3 with S = 16, 20, 24 for j = 0, 1, 2
     expected = [-4, -4, -4, -8 / 3, -8 / 3, -8 / 3, 4 / 3, 4 / 3, 4 / 3, 16 / 3, 16 / 3, 16 / 3]
     assert_close(got, torch.tensor(expected, dtype=torch.float64))
-    assert got[0].item() == pytest.approx(-4.0)
-    assert got[7].item() == pytest.approx(4 / 3)
 
 
 def test_rloo_advantages_layout_is_k_major():
@@ -98,9 +96,7 @@ def test_policy_loss_sequence_mode_by_hand():
     eps = 0.2
     mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 0], [1, 0, 0]], dtype=torch.bool)
     diffs = torch.tensor([[0.1, 0.2, 0.0], [0.05, -0.02, 0.01], [-0.5, 0.0, 0.0], [-0.3, 0.0, 0.0], [0.4, 0.0, 0.0]])
-    old = torch.tensor(
-        [[-1.0, -2.0, -0.5], [-0.3, -1.5, -2.5], [-0.7, -1.1, -0.2], [-2.0, -0.4, -0.9], [-1.2, -3, -0.6]]
-    )
+    old = -torch.tensor([[1.0, 2.0, 0.5], [0.3, 1.5, 2.5], [0.7, 1.1, 0.2], [2.0, 0.4, 0.9], [1.2, 3.0, 0.6]])
     new = (old + diffs).requires_grad_()
     adv = torch.tensor([2.0, -1.0, -1.0, 3.0, -0.5])
     loss, clipfrac = rloo.policy_loss(new, old, adv, mask, eps)
@@ -321,11 +317,6 @@ def test_whiten_single_process():
     mean, var = rloo.global_mean_var(x)
     assert_close(mean, x.mean())
     assert_close(var, x.var(unbiased=True))
-
-
-def test_whiten_masked_single_process():
-    g = torch.Generator().manual_seed(6)
-    x = torch.randn(4, 5, generator=g, dtype=torch.float64) * 3 + 2
     mask = torch.rand(4, 5, generator=g) < 0.6
     x = torch.where(mask, x, 1e6)  # the padding is huge: any leak shows
     real = [float(v) for v in x[mask]]
@@ -344,12 +335,8 @@ def _whiten_worker(rank, init_file, out_dir, values, mask):
         half = values.shape[0] // 2
         local, local_mask = values[rank * half : (rank + 1) * half], mask[rank * half : (rank + 1) * half]
         mean_m, var_m = rloo.global_mean_var(local, local_mask)
-        mean_a, var_a = rloo.global_mean_var(local)
-        result = dict(mean_masked=mean_m, var_masked=var_m, mean_all=mean_a, var_all=var_a)
-        result["whiten_all"] = rloo.whiten(local)
-        result |= dict(
-            whiten_masked=rloo.whiten(local, local_mask), sum=rloo.all_reduce_sum(torch.tensor([rank + 1.0]))
-        )
+        result = dict(mean_masked=mean_m, var_masked=var_m, whiten_masked=rloo.whiten(local, local_mask))
+        result["sum"] = rloo.all_reduce_sum(torch.tensor([rank + 1.0]))
         result["whiten_masked_keep_mean"] = rloo.whiten(local, local_mask, shift_mean=False)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
@@ -364,32 +351,20 @@ def test_whiten_and_global_mean_var_across_two_processes(tmp_path):
     mask[:3] = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 1, 0]], dtype=torch.bool)  # rank 0: 10 real
     mask[3:] = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 0, 0]], dtype=torch.bool)  # rank 1: 3 real
     values = torch.where(mask, values, 50.0)  # padding far from the data: any leak shows
-    context = mp.spawn(_whiten_worker, args=(str(tmp_path / "init"), str(tmp_path), values, mask), nprocs=2, join=False)
-    deadline = time.monotonic() + 120
-    while not context.join(timeout=2):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail("the two gloo processes did not finish in 120 s")
+    mp.spawn(_whiten_worker, args=(str(tmp_path / "init"), str(tmp_path), values, mask), nprocs=2)  # raises if one does
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
-
     real = [float(v) for v in values[mask]]
     m, v = statistics.mean(real), statistics.variance(real)
-    everything = [float(x) for x in values.flatten()]
-    m_all, v_all = statistics.mean(everything), statistics.variance(everything)
     for res in results:
         assert res["sum"].item() == 3.0  # 1 + 2: all_reduce_sum really went through torch.distributed
         assert res["mean_masked"].item() == pytest.approx(m, rel=1e-12)
         assert res["var_masked"].item() == pytest.approx(v, rel=1e-12)
-        assert res["mean_all"].item() == pytest.approx(m_all, rel=1e-12)
-        assert res["var_all"].item() == pytest.approx(v_all, rel=1e-12)
     # the halves' whitened values equal the unsplit batch's
     whitened = torch.cat([res["whiten_masked"] for res in results])
     kept = torch.cat([res["whiten_masked_keep_mean"] for res in results])
     ref = (values[mask] - m) / math.sqrt(v + 1e-8)
     assert_close(whitened[mask], ref)
     assert_close(kept[mask], ref + m)
-    assert_close(torch.cat([res["whiten_all"] for res in results]), (values - m_all) / math.sqrt(v_all + 1e-8))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -440,9 +415,8 @@ def char_tokenizer(bos=None, eos="<|endoftext|>", pad="<|pad|>", chat_template=N
     inner = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[], unk_token="<|unk|>"))
     inner.decoder = decoders.Fuse()
     if bos:
-        inner.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", special_tokens=[(bos, len(tokens) - 1)]
-        )
+        template = processors.TemplateProcessing
+        inner.post_processor = template(single=f"{bos} $A", special_tokens=[(bos, len(tokens) - 1)])
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=inner, bos_token=bos, eos_token=eos, pad_token=pad, unk_token="<|unk|>", padding_side="left"
     )
@@ -459,9 +433,8 @@ def bert_reward_model(seed=3):
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]"] + characters + ["##" + c for c in characters]
     inner = Tokenizer(models.WordPiece({t: i for i, t in enumerate(vocab)}, unk_token="[UNK]"))
     inner.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    inner.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)]
-    )
+    template = processors.TemplateProcessing
+    inner.post_processor = template(single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=inner, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]"
     )
@@ -661,11 +634,14 @@ def test_resolve_args_derives_sizes_once():
 
 
 def test_cli_parses_flags():
-    assert tyro.cli(rloo.Args, args=["--rloo-k", "4"]).rloo_k == 4
-    assert tyro.cli(rloo.Args, args=["--token-level-kl"]).token_level_kl is True
+    args = tyro.cli(rloo.Args, args="--rloo-k 4 --token-level-kl --reward-fn a:b c:d --reward-weights 1 0.5".split())
+    assert (args.rloo_k, args.token_level_kl, args.reward_fn, args.reward_weights) == (
+        4,
+        True,
+        ["a:b", "c:d"],
+        [1, 0.5],
+    )
     assert tyro.cli(rloo.Args, args=["--no-token-level-kl"]).token_level_kl is False
-    args = tyro.cli(rloo.Args, args=["--reward-fn", "a:b", "c:d", "--reward-weights", "1", "0.5"])
-    assert (args.reward_fn, args.reward_weights) == (["a:b", "c:d"], [1.0, 0.5])
 
 
 def test_defaults_equal_trl():
@@ -742,9 +718,8 @@ def test_help_lists_every_flag_with_trl_names(tmp_path):
 @slow
 def test_import_runs_nothing(tmp_path):
     code = "import sys, rloo; print(sorted(m for m in ('deepspeed', 'datasets', 'peft') if m in sys.modules))"
-    proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=subprocess_env()
-    )
+    options = dict(capture_output=True, text=True, cwd=tmp_path, env=subprocess_env())
+    proc = subprocess.run([sys.executable, "-c", code], **options)
     assert proc.returncode == 0 and proc.stdout == "[]\n" and proc.stderr == "", proc.stderr
     assert os.listdir(tmp_path) == []  # writes nothing: no runs/, no metrics, no checkpoint
 
@@ -892,21 +867,15 @@ def columns(prompts, completions, answer, **kwargs):
     """A verifiable reward: the dataset's `answer` column (computable from the prompt) modulo 5."""
     return log("columns", prompts, completions, [float(a % 5) for a in answer], answer=answer, **kwargs)
 
-def constant(prompts, completions):
-    return [1.0] * len(completions)
+constant = lambda prompts, completions: [1.0] * len(completions)
 
 def distinct(prompts, completions):
     """A different value for every completion of a call."""
     return log("distinct", prompts, completions, [i + 0.01 * len(text) for i, text in enumerate(completions)])
 
-def wrong_count(prompts, completions):
-    return [1.0]
-
-def not_numbers(prompts, completions):
-    return ["high"] * len(completions)
-
-def always_nan(prompts, completions):
-    return [float("nan")] * len(completions)
+wrong_count = lambda prompts, completions: [1.0]
+not_numbers = lambda prompts, completions: ["high"] * len(completions)
+always_nan = lambda prompts, completions: [float("nan")] * len(completions)
 '''
 
 
@@ -943,39 +912,29 @@ def workdir(tmp_path_factory):
     from transformers import GPTNeoXForSequenceClassification, LlamaConfig, LlamaForCausalLM
 
     root = tmp_path_factory.mktemp("rloo")
-    tokenizer = rloo.toy_tokenizer()
+    save = lambda model, tokenizer, name: [x.save_pretrained(root / name) for x in (model, tokenizer)]  # noqa: E731
+    tokenizer, chat_tokenizer, other = rloo.toy_tokenizer(), rloo.toy_tokenizer(), rloo.toy_tokenizer()
+    chat_tokenizer.chat_template = CHAT_TEMPLATE
+    other.add_special_tokens({"additional_special_tokens": ["<|sep|>"]})  # one more special token: it re-encodes
     policy = rloo.toy_policy(tokenizer, seed=0)
-    for name, chat_template in [("policy", None), ("policy_chat", CHAT_TEMPLATE)]:
-        policy.save_pretrained(root / name)
-        tokenizer.chat_template = chat_template
-        tokenizer.save_pretrained(root / name)
-    tokenizer.chat_template = None
-    eos_likely(copy.deepcopy(policy), tokenizer).save_pretrained(root / "policy_eos")
-    tokenizer.save_pretrained(root / "policy_eos")
+    save(policy, tokenizer, "policy")
+    save(policy, chat_tokenizer, "policy_chat")
+    save(eos_likely(copy.deepcopy(policy), tokenizer), tokenizer, "policy_eos")
     config = copy.deepcopy(policy.config)
     config.num_labels = 1
     torch.manual_seed(1)
     reward = GPTNeoXForSequenceClassification(config)
-    for name in ["reward", "reward_other_tokenizer"]:
-        reward.save_pretrained(root / name)
-    tokenizer.save_pretrained(root / "reward")
-    other = rloo.toy_tokenizer()  # one more special token: rloo.py must re-encode for it
-    other.add_special_tokens({"additional_special_tokens": ["<|sep|>"]})
-    other.save_pretrained(root / "reward_other_tokenizer")
+    save(reward, tokenizer, "reward")
+    save(reward, other, "reward_other_tokenizer")
     config.num_labels = 2
-    GPTNeoXForSequenceClassification(config).save_pretrained(root / "reward_two_labels")
-    rloo.toy_tokenizer().save_pretrained(root / "reward_two_labels")
-    bert, bert_tokenizer = bert_reward_model()
-    bert.save_pretrained(root / "reward_bert")
-    bert_tokenizer.save_pretrained(root / "reward_bert")
+    save(GPTNeoXForSequenceClassification(config), tokenizer, "reward_two_labels")
+    save(*bert_reward_model(), "reward_bert")
     llama_tokenizer = char_tokenizer(bos="<s>", eos="</s>", pad="</s>")
     ids = {f"{name}_token_id": getattr(llama_tokenizer, f"{name}_token_id") for name in ["bos", "eos", "pad"]}
     sizes = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
     torch.manual_seed(2)
     config = LlamaConfig(vocab_size=len(llama_tokenizer), num_key_value_heads=2, max_position_embeddings=128, **sizes)
-    llama = LlamaForCausalLM(LlamaConfig(**(config.to_dict() | ids)))
-    llama.to(torch.bfloat16).save_pretrained(root / "llama_bf16")
-    llama_tokenizer.save_pretrained(root / "llama_bf16")
+    save(LlamaForCausalLM(LlamaConfig(**(config.to_dict() | ids))).to(torch.bfloat16), llama_tokenizer, "llama_bf16")
     (root / "test_rewards.py").write_text(REWARD_MODULE)
     subjects = ["the sea", "a cat", "the moon", "old trees", "rain", "a city", "bread", "the wind"]
     rows = [{"messages": [{"role": "user", "content": f"Describe {s}"}], "answer": 9 + len(s)} for s in subjects]
@@ -1547,18 +1506,14 @@ def scale_runs(workdir):
     (workdir / "counting").mkdir(exist_ok=True)
     (workdir / "counting" / "sitecustomize.py").write_text(COUNTING)
     outputs, procs = {}, {}
-    runs = [
-        ("zero3", "zero3", ["--gradient-checkpointing"]),
-        ("zero3_sharded", "zero3", ["--no-ds3-gather-for-generation"]),
-    ]
-    runs += [("ddp", "ddp", []), ("multi_gpu", "multi_gpu", []), ("zero3_lora", "zero3", ["--use-peft"])]
+    runs = [("zero3", "zero3", ["--gradient-checkpointing"]), ("ddp", "ddp", []), ("multi_gpu", "multi_gpu", [])]
+    runs += [("zero3_sharded", "zero3", ["--no-ds3-gather-for-generation"]), ("zero3_lora", "zero3", ["--use-peft"])]
     for name, backend, extra in runs:
         outputs[name] = workdir / f"scale_{name}"
         env = {"RLOO_TEST_COUNT": str(workdir / f"events_{name}"), "PYTHONWARNINGS": "default"}
         pythonpath = f"{workdir / 'counting'}{os.pathsep}{workdir}"
-        procs[name] = launch(
-            workdir, outputs[name], *SCALE_FLAGS, *extra, backend=backend, env=env, pythonpath=pythonpath
-        )
+        flags = [*SCALE_FLAGS, *extra]  # the counting sitecustomize comes first on the path
+        procs[name] = launch(workdir, outputs[name], *flags, backend=backend, env=env, pythonpath=pythonpath)
     return outputs, procs
 
 
