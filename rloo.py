@@ -12,12 +12,12 @@ other k-1 completions of the same prompt. No value network, no GAE: one policy, 
     accelerate launch --config_file ds_zero3.yaml rloo.py --sft-model-path MODEL --reward-model-path REWARD_MODEL ...
     accelerate launch --config_file ds_zero3.yaml --num_processes 2 --mixed_precision no rloo.py
 
-How to read it: `Args` (every flag; `python rloo.py --help`); the ALGO LOGIC helpers, each with its equation; the
-toy task; `train`, the loop, steps 1-10 in the algorithm's order. Everything after the PLUMBING marker (setup,
-checkpoints, metrics, reports) can be skipped on a first read: nothing there changes what an update computes.
+How to read it: `Args` (every flag: `python rloo.py --help`); the ALGO LOGIC helpers, each with its equation; the toy
+task; `train`, the loop, steps 1-10 in the algorithm's order. Skip the PLUMBING after it on a first read.
 """
 
 import contextlib
+import copy
 import fcntl
 import functools
 import importlib
@@ -37,11 +37,11 @@ from typing import Any, Literal, Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 import tyro
 from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs, gather_object, set_seed
 from tokenizers import Tokenizer, decoders, models
+from torch.nn.utils.rnn import pad_sequence
 from transformers import (
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
@@ -218,33 +218,59 @@ def token_level_advantages(scores, kl, response_mask, kl_coef, rloo_k, whiten_re
 
 
 def logprobs_from_logits(logits, tokens, temperature, with_entropy=False):
-    """log softmax(logits / temperature)[token] in float32, one row at a time so that no (N, T, V) float32 copy
-    of bf16 logits is ever made. With with_entropy, also the entropy of each position's distribution (no grad)."""
-    logprobs, entropies = [], []
-    for row_logits, row_tokens in zip(logits, tokens):
-        row = row_logits.float() / temperature  # (T, V)
-        logsumexp = row.logsumexp(-1)
-        logprobs.append(row.gather(-1, row_tokens[:, None]).squeeze(-1) - logsumexp)
+    """log softmax(logits / temperature)[token] in float32, a few rows at a time so that no (N, T, V) float32 copy of
+    bf16 logits is ever made. With with_entropy, also the entropy of each position's distribution (no grad)."""
+    logprobs, entropies, rows = [], [], max(1, 2**21 // logits[0].numel())  # about 2**21 logits (8 MB) at a time
+    for chunk, chunk_tokens in zip(logits.split(rows), tokens.split(rows)):
+        chunk = chunk.float() / temperature  # (rows, T, V)
+        logsumexp = chunk.logsumexp(-1)
+        logprobs.append(chunk.gather(-1, chunk_tokens[..., None]).squeeze(-1) - logsumexp)
         if with_entropy:
             with torch.no_grad():
-                entropies.append(logsumexp - (torch.softmax(row, -1) * row).sum(-1))
-    return torch.stack(logprobs), (torch.stack(entropies) if with_entropy else None)
+                entropies.append(logsumexp - (torch.softmax(chunk, -1) * chunk).sum(-1))
+    return torch.cat(logprobs), (torch.cat(entropies) if with_entropy else None)
 
 
-def forward_logprobs(model, query_responses, attention_mask, context_length, temperature, with_entropy=False):
-    """Log-probs (N, T) of the response tokens query_responses[:, context_length:] under `model`.
-    Only the T + 1 last positions get logits (`logits_to_keep`): the prompt positions need no vocabulary matmul."""
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # left padding: count real tokens, as generation did
-    T = query_responses.shape[1] - context_length
-    inputs = dict(input_ids=query_responses, attention_mask=attention_mask, position_ids=position_ids)
-    logits = model(**inputs, logits_to_keep=T + 1, use_cache=False).logits[:, :-1]  # (N, T, V): p predicts p + 1
-    return logprobs_from_logits(logits, query_responses[:, context_length:], temperature, with_entropy)
+def forward_logprobs(model, queries, query_mask, responses, response_mask, temperature, with_entropy=False, k=1):
+    """Log-probs (N, T) of the responses under `model`; only the positions that predict them get logits. With k > 1
+    each prompt runs once (prompt_forward) and its k completions attend to its keys and values, as in one forward."""
+    mask = torch.cat([query_mask, response_mask.long()], 1)
+    position_ids, P, T = (mask.cumsum(1) - 1).clamp(min=0), queries.shape[1], responses.shape[1]
+    if k == 1:  # one forward over prompt + completion; left padding: positions count real tokens, as in generation
+        inputs = dict(input_ids=torch.cat([queries, responses], 1), attention_mask=mask, position_ids=position_ids)
+        logits = model(**inputs, logits_to_keep=T + 1, use_cache=False).logits[:, :-1]  # (N, T, V): p predicts p + 1
+    else:
+        first, cache = prompt_forward(model, queries, query_mask, position_ids[:, :P], k)
+        inputs = dict(input_ids=responses[:, :-1], attention_mask=mask[:, :-1], position_ids=position_ids[:, P:-1])
+        rest = model(**inputs, cache=cache, use_cache=True).logits if T > 1 else first[:, :0]
+        logits = torch.cat([first, rest], 1)  # (N, T, V)
+    return logprobs_from_logits(logits, responses, temperature, with_entropy)
 
 
-def batched_logprobs(model, query_responses, attention_mask, context_length, temperature, rows):
-    """forward_logprobs in chunks of `rows` completions, concatenated: (N, T)."""
-    chunks = zip(query_responses.split(rows), attention_mask.split(rows))
-    return torch.cat([forward_logprobs(model, ids, mask, context_length, temperature)[0] for ids, mask in chunks])
+def prompt_forward(model, queries, query_mask, position_ids, k):
+    """Each of the N/k prompts once, for rows that are k copies of them (k-major): the logits of every row's last
+    position (N, 1, V), and a KV cache holding the prompts' keys and values, copied k times."""
+    B = len(queries) // k
+    inputs = dict(input_ids=queries[:B], attention_mask=query_mask[:B], position_ids=position_ids[:B])
+    output = model(**inputs, use_cache=True, logits_to_keep=1)
+    if k > 1:
+        output.cache.reorder_cache(torch.arange(B, device=queries.device).repeat(k))
+    return output.logits.repeat(k, 1, 1), output.cache
+
+
+def prompt_chunks(n, k, size):
+    """Row indices of n rows (k copies of n/k prompts, k-major) in chunks of about `size`: whole prompts, k-major."""
+    B, step = n // k, max(1, size // k)
+    return [(torch.arange(s, min(s + step, B)) + B * torch.arange(k)[:, None]).flatten() for s in range(0, B, step)]
+
+
+def batched_logprobs(model, queries, query_mask, responses, response_mask, temperature, size, k=1):
+    """forward_logprobs over chunks of about `size` completions (whole prompts with their k copies): (N, T)."""
+    logprobs = torch.empty(responses.shape, device=responses.device)
+    for rows in prompt_chunks(len(queries), k, size):
+        sequences = (queries[rows], query_mask[rows], responses[rows], response_mask[rows])
+        logprobs[rows] = forward_logprobs(model, *sequences, temperature, k=k)[0]
+    return logprobs
 
 
 def get_reward(reward_model, input_ids, attention_mask, last_index):
@@ -261,44 +287,48 @@ def get_reward(reward_model, input_ids, attention_mask, last_index):
 
 
 @torch.no_grad()
-def generate(model, queries, query_mask, length, temperature, stop_token_id, pad_token_id, synced, generator=None):
+def generate(model, queries, query_mask, length, temperature, stop_token_id, pad_token_id, synced, generator=None, k=1):
     """Sample up to `length` tokens per row with a KV cache: softmax(logits / temperature), no top-k or top-p;
     temperature 0 is greedy decoding. Rows that produced the stop token get pad afterwards; sampling ends once every
     row has stopped (on every rank when `synced`: a ZeRO-3 sharded model needs all ranks in each forward)."""
-    input_ids, attention_mask, position_ids, cache = queries, query_mask, (query_mask.cumsum(1) - 1).clamp(min=0), None
+    position_ids = (query_mask.cumsum(1) - 1).clamp(min=0)
+    logits, cache = prompt_forward(model, queries, query_mask, position_ids, k)
+    attention_mask, last_position, logits = query_mask, position_ids[:, -1:], logits[:, -1].float()  # (N, V)
     done, tokens = torch.zeros(len(queries), dtype=torch.bool, device=queries.device), []
-    while len(tokens) < length:
-        inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache)
-        output = model(**inputs, use_cache=True, logits_to_keep=1)
-        logits = output.logits[:, -1].float()  # (N, V)
+    for step in range(length):
+        if step:  # the token just sampled, at the next position, attending to the cache of everything before it
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(queries), 1)], 1)
+            inputs = dict(
+                input_ids=tokens[-1][:, None], attention_mask=attention_mask, position_ids=last_position + step
+            )
+            logits = model(**inputs, cache=cache, use_cache=True).logits[:, -1].float()  # (N, V); the cache grows
         if temperature == 0:
             sampled = logits.argmax(-1)
-        else:
-            probs = torch.softmax(logits / temperature, dim=-1)
-            # a diverged policy (or a vanishing temperature) gives NaN: sample uniformly; the guard skips the update
-            probs = torch.where(torch.isfinite(probs).all(-1, keepdim=True), probs, 1.0)
-            sampled = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+        else:  # inverse-CDF sampling, one uniform number per row (torch.multinomial is slow over a large vocabulary)
+            cdf = torch.softmax(logits / temperature, dim=-1).cumsum(-1)  # (N, V)
+            uniform = torch.rand(len(cdf), 1, device=cdf.device, generator=generator) * cdf[:, -1:]
+            # a diverged policy (or a vanishing temperature) gives NaN: the last id; the guard skips the update
+            sampled = torch.searchsorted(cdf, uniform, right=True).squeeze(1).clamp(max=cdf.shape[1] - 1)
         tokens.append(torch.where(done, pad_token_id, sampled))
         if stop_token_id is not None:
             done = done | (tokens[-1] == stop_token_id)
             running = (~done).sum()  # one host sync per token, as in HF generate
             if (all_reduce_sum(running) if synced else running).item() == 0:
                 break
-        input_ids, position_ids, cache = tokens[-1][:, None], position_ids[:, -1:] + 1, output.cache
-        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(queries), 1)], 1)
     return torch.stack(tokens, 1)  # (N, t <= length)
 
 
-def rollout(run, queries, query_mask, temperature, generator=None):
-    """Steps 1-2: sample a completion for every query row, local_rollout_forward_batch_size rows per generate call;
-    cut each after its stop token; drop the columns where every completion had stopped. (N, T) responses and mask."""
+def rollout(run, queries, query_mask, temperature, generator=None, k=1):
+    """Steps 1-2: sample a completion (N, T) for every query row (k copies of each prompt, k-major), cut after its stop
+    token, and its mask; about local_rollout_forward_batch_size rows per call; no column where every one had stopped."""
     length, stop, pad = run.args.response_length, run.args.stop_token_id, run.tokenizer.pad_token_id
-    responses, chunk = [], run.args.local_rollout_forward_batch_size
+    responses = torch.full((len(queries), length), pad, device=queries.device)
     with generation_context(run) as (model, synced):
-        for ids, mask in zip(queries.split(chunk), query_mask.split(chunk)):
-            tokens = generate(model, ids, mask, length, temperature, stop, pad, synced, generator)
-            responses.append(F.pad(tokens, (0, length - tokens.shape[1]), value=pad))
-    responses, response_mask = truncate_response(torch.cat(responses), stop, pad)
+        for rows in prompt_chunks(len(queries), k, run.args.local_rollout_forward_batch_size):
+            sample = (length, temperature, stop, pad, synced, generator, k)
+            tokens = generate(model, queries[rows], query_mask[rows], *sample)
+            responses[rows, : tokens.shape[1]] = tokens
+    responses, response_mask = truncate_response(responses, stop, pad)
     T = int(response_mask.sum(1).max())
     return responses[:, :T], response_mask[:, :T]
 
@@ -311,18 +341,14 @@ class RewardSource:  # one term of the score: a reward function, or a reward mod
     fn: Any = None
     model: Any = None
     tokenizer: Any = None  # None: the reward model reads the policy's token ids (same vocabulary, a decoder)
-    context: Optional[int] = None  # a reward model's positions (max_position_embeddings)
 
 
 @torch.no_grad()
-def score_completions(run, rows, query_responses, attention_mask, context_length, response_mask):
+def score_completions(run, rows, queries, query_mask, responses, response_mask):
     """Steps 4-5: score = sum_s weight_s * reward_s for each completion, minus missing_eos_penalty for completions that
-    never produced the stop token. Returns the scores (N,) and each source's rewards (N,) by name. A reward function
-    gets the prompts as the dataset holds them, the decoded completions, and the dataset's other columns
-    (call_reward_fn). A reward model is read at the last real token: on the policy's token ids when it shares their
-    vocabulary, else on prompt + completion rendered by its own tokenizer (render_for_reward)."""
-    args, device = run.args, query_responses.device
-    responses = query_responses[:, context_length:]
+    never produced the stop token; and each source's rewards by name. A reward model reads the policy's token ids when
+    it shares their vocabulary, else prompt + completion rendered by its own tokenizer (render_for_reward)."""
+    args, device = run.args, responses.device
     completions = run.tokenizer.batch_decode(responses, skip_special_tokens=True)
     stopped = ((responses == args.stop_token_id) & response_mask).any(1)  # (N,) (all False without a stop token)
     rewards = {}
@@ -332,14 +358,12 @@ def score_completions(run, rows, query_responses, attention_mask, context_length
             rewards[source.name] = torch.tensor(values, dtype=torch.float, device=device)
             continue
         model = run.accelerator.unwrap_model(source.model)
-        ids, mask, last_index = query_responses, attention_mask, context_length + response_mask.sum(1) - 1
+        ids, mask = torch.cat([queries, responses], 1), torch.cat([query_mask, response_mask.long()], 1)
+        last_index = queries.shape[1] + response_mask.sum(1) - 1  # the last real token
         if source.tokenizer is not None:  # re-encoded: left-padded for a decoder, so that the last token is last
             texts = zip([row[args.dataset_text_field] for row in rows], completions, stopped.tolist())
             encoded = [render_for_reward(source.tokenizer, *text) for text in texts]
             ids, mask = pad_batch(encoded, source.tokenizer.pad_token_id, left=hasattr(model, "score"), device=device)
-            if ids.shape[1] > (source.context or math.inf):  # beyond its position embeddings
-                length = f"{ids.shape[1]} tokens re-encoded, beyond its {source.context}"
-                raise ArgumentError(f"{source.flag}: {length}; lower --response-length or --max-prompt-length")
             last_index = torch.full((len(ids),), ids.shape[1] - 1, device=device)
         chunk = args.local_rollout_forward_batch_size
         with run.accelerator.autocast():
@@ -372,27 +396,18 @@ def render_for_reward(tokenizer, prompt, completion, stopped):
     [SEP]), a chat prompt through its chat template with the completion as the assistant's turn, and its eos after
     a completion that stopped, since reward models trained on TRL-style data are read at that eos."""
     if isinstance(prompt, list):
-        return chat_ids(tokenizer, prompt + [{"role": "assistant", "content": completion}], generation_prompt=False)
+        messages = prompt + [{"role": "assistant", "content": completion}]
+        return tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
     ids, eos = tokenizer(prompt + completion)["input_ids"], tokenizer.eos_token_id
     return ids + [eos] if stopped and eos is not None and ids[-1] != eos else ids
-
-
-def chat_ids(tokenizer, messages, generation_prompt):
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
 def pad_batch(sequences, pad_token_id, left=True, device=None):
     """Token lists -> (input_ids, attention_mask), padded to the longest: on the left, as generation wants, or on
     the right, as an encoder wants (its positions count from its first token)."""
-    width = max(len(s) for s in sequences)
-    input_ids = torch.full((len(sequences), width), pad_token_id or 0, dtype=torch.long)
-    attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
-    for row, s in enumerate(sequences):
-        columns = slice(width - len(s), width) if left else slice(0, len(s))
-        input_ids[row, columns] = torch.tensor(s, dtype=torch.long)
-        attention_mask[row, columns] = 1
-    return input_ids.to(device), attention_mask.to(device)
+    rows, side = [torch.tensor(s, dtype=torch.long, device=device) for s in sequences], "left" if left else "right"
+    input_ids = pad_sequence(rows, batch_first=True, padding_value=pad_token_id or 0, padding_side=side)
+    return input_ids, pad_sequence([torch.ones_like(row) for row in rows], batch_first=True, padding_side=side)
 
 
 # ================================================================================================================
@@ -431,9 +446,8 @@ def toy_prompts():
 
 
 def toy_reward(prompts, completions, response_length=53):
-    """The toy task's reward: 10 x (lowercase vowels in the completion) / response_length, in [0, 10]. Dividing by the
-    fixed response length, not by the completion's own, keeps it from being gamed by stopping early. A random policy
-    over the toy's 99 tokens scores about 10 x 5/99 = 0.5."""
+    """The toy task's reward: 10 x (lowercase vowels in the completion) / response_length (fixed: stopping early does
+    not pay), in [0, 10]. A random policy over the toy's 99 tokens scores about 10 x 5/99 = 0.5."""
     return [10.0 * sum(c in "aeiou" for c in completion) / response_length for completion in completions]
 
 
@@ -456,6 +470,8 @@ def train(run):
     k = rloo_k completions each, P prompt tokens (left-padded), T response tokens."""
     args, accelerator, policy, tokenizer = run.args, run.accelerator, run.policy, run.tokenizer
     device, micro, k = accelerator.device, args.per_device_train_batch_size, args.rloo_k
+    # one micro-batch of all completions: a prompt runs once for its k copies (gradient checkpointing keeps no cache)
+    shared = k if micro == args.local_batch_size and not args.gradient_checkpointing else 1
     for update in range(run.start_update, args.num_total_batches):
         lr = args.learning_rate * (1.0 - update / args.num_total_batches)  # linear decay to 0 over the run
         for group in run.optimizer.param_groups:
@@ -464,23 +480,21 @@ def train(run):
         # ---- data: this rank's B prompts, repeated k times k-major (row i*B + j is sample i of prompt j)
         batch = batch_indices(args, len(run.prompts), update, accelerator.process_index)  # (B,) dataset rows
         queries, query_mask = pad_batch([run.prompts[i] for i in batch] * k, tokenizer.pad_token_id, device=device)
-        rows, context_length, t0 = [run.rows[i] for i in batch] * k, queries.shape[1], now()  # queries: (k*B, P)
+        rows, t0 = [run.rows[i] for i in batch] * k, now()  # the dataset's rows, k-major
 
-        # ---- 1. rollout: sample k completions per prompt, and 2. cut each after its stop token
-        responses, response_mask = rollout(run, queries, query_mask, args.temperature)  # (k*B, T)
-        query_responses = torch.cat([queries, responses], 1)  # (k*B, P + T)
-        attention_mask = torch.cat([query_mask, response_mask.long()], 1)
+        # ---- 1. rollout: sample k completions per prompt (which runs once), and 2. cut each after its stop token
+        responses, response_mask = rollout(run, queries, query_mask, args.temperature, k=k)  # (k*B, T)
         t1 = now()
 
         with torch.no_grad():
             # ---- 3. log-probs under the policy (the update's "old" log-probs) and under the reference; the
             # policy's in micro-batches of the training forward's size, so that with one epoch the first ratio is 1
-            logprob_inputs = (query_responses, attention_mask, context_length, args.temperature)
-            old_logprobs = batched_logprobs(policy, *logprob_inputs, micro)  # (k*B, T)
+            sequences = (queries, query_mask, responses, response_mask)
+            old_logprobs = batched_logprobs(policy, *sequences, args.temperature, micro, shared)  # (k*B, T)
             with accelerator.autocast(), reference_model(run) as ref_policy:  # LoRA: the policy, adapters off
-                ref_logprobs = batched_logprobs(ref_policy, *logprob_inputs, args.local_rollout_forward_batch_size)
+                chunk = args.local_rollout_forward_batch_size
+                ref_logprobs = batched_logprobs(ref_policy, *sequences, args.temperature, chunk, shared)
         # ---- 4. the score: the weighted reward sources; 5. minus missing_eos_penalty without the stop token
-        sequences = (query_responses, attention_mask, context_length, response_mask)
         scores, source_rewards = score_completions(run, rows, *sequences)  # (k*B,), each source's (k*B,)
         raw_scores = scores  # what objective/scores logs: before normalization and clipping
         t2 = now()
@@ -506,22 +520,27 @@ def train(run):
             if args.normalize_advantage:
                 advantages = whiten(advantages)
 
-        # ---- non-finite guard: a NaN or inf anywhere in the rollout (a score, a log-prob) skips this update
+        # ---- non-finite guard: a NaN or inf anywhere in the rollout (a score before clipping, which would make an inf
+        # finite; an advantage; a log-prob) skips this update on every rank
         logprobs = torch.where(response_mask, old_logprobs + ref_logprobs, 0.0)  # non-finite if either one is
-        finite = rollout_is_finite(run, raw_scores, advantages, logprobs)
+        bad = torch.stack([~torch.isfinite(values).all() for values in (raw_scores, advantages, logprobs)]).any()
+        finite = not all_reduce_sum(bad.float()).item()
+        run.skipped_steps += not finite  # and 3 skipped updates in a row stop the run (end_of_update)
+        run.consecutive_skips = 0 if finite else run.consecutive_skips + 1
 
         # ---- 9. the update: num_ppo_epochs passes, each over num_mini_batches shuffled mini-batches of
         # gradient_accumulation_steps micro-batches, one optimizer step per mini-batch
         policy.train()
         stats = dict.fromkeys(STAT_NAMES, 0.0)  # sums for the metrics, reduced over every rank in step 10
         for _ in range(args.num_ppo_epochs if finite else 0):  # no epochs at all when the guard skips the update
-            permutation = torch.randperm(args.local_batch_size, device=device)
-            for start in range(0, args.local_batch_size, micro):  # micro-batches; mini-batches are consecutive runs
+            order = torch.randperm(args.local_batch_size, device=device)  # drawn even when shared: alike random streams
+            permutation = order if shared == 1 else order.sort().values  # shared: the prompts' copies together
+            for start in range(0, len(order), micro):  # micro-batches; mini-batches are consecutive runs of them
                 micro_batch = permutation[start : start + micro]
-                inputs = (query_responses[micro_batch], attention_mask[micro_batch], context_length, args.temperature)
+                inputs = [tensor[micro_batch] for tensor in (queries, query_mask, responses, response_mask)]
                 old, mask = old_logprobs[micro_batch], response_mask[micro_batch]
                 with accelerator.accumulate(policy):
-                    new_logprobs, entropy = forward_logprobs(policy, *inputs, with_entropy=True)
+                    new_logprobs, entropy = forward_logprobs(policy, *inputs, args.temperature, True, shared)
                     loss, clipfrac = policy_loss(new_logprobs, old, advantages[micro_batch], mask, args.cliprange)
                     accelerator.backward(loss)  # under DeepSpeed this also clips and steps at the boundary
                     optimizer_step(run)  # at the mini-batch's last micro-batch only
@@ -541,7 +560,7 @@ def train(run):
             "clipped": clipped,
             **{f"rewards/{name}": values.sum() for name, values in source_rewards.items()},  # before weighting
         }
-        samples = (query_responses[:4, :context_length], responses[:4], raw_scores[:4])  # for the sample tables
+        samples = (queries[:4], responses[:4], raw_scores[:4])  # for the sample tables
         stopping = log_metrics(run, update, stats, lr, (t0, t1, t2, t3), samples)
         end_of_update(run, update, stopping)  # evaluation, checkpoint, a stop on a signal
         run.previous_end = t3
@@ -567,7 +586,6 @@ class Run:  # what setup() hands the loop, and the counters the loop keeps acros
     eval_rows: list
     start_update: int = 0
     history: list = field(default_factory=list)  # objective/scores of every update
-    elapsed_before: float = 0.0  # seconds of training before a resume
     skipped_steps: int = 0
     consecutive_skips: int = 0
     stop_signals: list = field(default_factory=list)  # SIGTERM / SIGINT received
@@ -611,7 +629,7 @@ def setup(args):
     policy, ref_policy, reward_model = load_models(args, tokenizer, max(map(len, prompts + evaluation[0])))
     accelerator, zero3 = make_accelerator(args)
     trainable = [p for p in policy.parameters() if p.requires_grad]  # with LoRA, the adapters only
-    optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, eps=1e-8, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, eps=1e-8, weight_decay=0.0, fused=True)
     policy, optimizer = accelerator.prepare(policy, optimizer)
     ref_policy = ref_policy and prepare_frozen(ref_policy, accelerator)
     if reward_model is not None:  # the reward model is the first source
@@ -628,10 +646,9 @@ def setup(args):
     sizes = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for p in policy.parameters()]  # ZeRO-3: whole
     trained = f"{sum(n for n, grad in sizes if grad):,} of {sum(n for n, _ in sizes):,} parameters trained"
     threads = "" if torch.cuda.is_available() else f", {torch.get_num_threads()} CPU threads each"
-    shape = f"{args.local_dataloader_batch_size} prompts x k={args.rloo_k} per process, {args.world_size} processes"
     if accelerator.is_main_process:  # the header line
         print(f"{args.run_name}: {args.num_total_batches} updates of {args.batch_size} completions ", end="")
-        print(f"({shape}{threads}; {trained}) -> {args.output_dir}")
+        print(f"({args.world_size} processes{threads}; {trained}) -> {args.output_dir}")
     run.start_time = run.previous_end = now()
     return run
 
@@ -660,8 +677,7 @@ RESUME_FIXED += "token_level_kl use_peft lora_r lora_alpha lora_target_modules l
 
 
 def resolve_args(args, world_size, tokenizer, num_prompts, saved=None):
-    """The one place where the flags become the run's settings, each checked: a one-line error naming the flag and
-    what is valid. Nothing else changes `args`."""
+    """The one place where the flags become the run's settings, each checked. Nothing else changes `args`."""
     for name in [*AT_LEAST, *ABOVE_0]:
         value, lowest, above = getattr(args, name), AT_LEAST.get(name, 0), name not in AT_LEAST
         if value is not None and not (lowest < value < math.inf or value == lowest and not above):  # NaN fails too
@@ -770,7 +786,8 @@ def load_prompts(args, tokenizer, path, split, flag, limit=None):
         if isinstance(prompt, list) and getattr(tokenizer, "chat_template", None) is None:
             raise ArgumentError(f"{where}: chat messages, but the tokenizer has no chat template")
         try:  # the chat template may refuse messages (jinja's TemplateError, or its own raise_exception())
-            ids = chat_ids(tokenizer, prompt, True) if isinstance(prompt, list) else tokenizer(prompt)["input_ids"]
+            template = functools.partial(tokenizer.apply_chat_template, add_generation_prompt=True, return_dict=False)
+            ids = template(prompt) if isinstance(prompt, list) else tokenizer(prompt)["input_ids"]
         except Exception as error:
             raise ArgumentError(f"{where}: the chat template refused it ({error!r:.160})") from None
         if 0 < len(ids) <= args.max_prompt_length:
@@ -784,12 +801,14 @@ def load_prompts(args, tokenizer, path, split, flag, limit=None):
 
 
 def load_models(args, tokenizer, longest_prompt):
-    """Policy, reference and reward model (a RewardSource, or None), in float32 whatever the checkpoint's dtype: the
-    optimizer steps float32 weights (stepping bf16 weights rounds most small updates away), and the reference must
-    compute what the policy does. Mixed precision is accelerate's autocast, or DeepSpeed's bf16 with float32 masters.
-    They load before the Accelerator: every rank has the same full weights for DeepSpeed to shard."""
-    policy, reward = load_policy(args, tokenizer), None
-    ref_policy = None if args.use_peft else load_policy(args, tokenizer)  # LoRA: the policy, its adapters off
+    """Policy, reference and reward model (a RewardSource, or None), in float32 whatever the checkpoint's dtype (bf16
+    steps round small updates away; mixed precision is autocast's, or DeepSpeed's with float32 masters), before the
+    Accelerator: every rank has the same full weights for DeepSpeed to shard."""
+    load = functools.partial(load_pretrained, AutoModelForCausalLM, args.sft_model_path, "--sft-model-path", args)
+    policy = (
+        load(dtype=torch.float32) if args.sft_model_path else toy_policy(tokenizer, args.seed)
+    )  # toy: from the seed
+    ref_policy, reward = None if args.use_peft else copy.deepcopy(policy), None  # LoRA: the policy, its adapters off
     if args.use_peft:
         from peft import LoraConfig, get_peft_model
 
@@ -806,15 +825,15 @@ def load_models(args, tokenizer, longest_prompt):
         load = functools.partial(load_pretrained, path=args.reward_model_path, flag="--reward-model-path", args=args)
         model = load(AutoModelForSequenceClassification, dtype=torch.float32)
         reward_tokenizer = load(AutoTokenizer)
-        flag, context = f"--reward-model-path {args.reward_model_path}", model.config.max_position_embeddings
+        flag = f"--reward-model-path {args.reward_model_path}"
         if model.config.num_labels != 1:
             raise ArgumentError(f"{flag}: the reward model has {model.config.num_labels} labels; it needs exactly 1")
         # a decoder (a `score` head) with the policy's vocabulary reads the policy's token ids, whose lengths are
-        # known now; other reward models read prompt + completion re-encoded by their own tokenizer, checked as scored
+        # known now; any other reads prompt + completion re-encoded by its own tokenizer
         if hasattr(model, "score") and reward_tokenizer.get_vocab() == tokenizer.get_vocab():
             reward_tokenizer = None
             contexts.append((model.config, "reward model"))
-        reward = RewardSource("reward_model", flag, model=model, tokenizer=reward_tokenizer, context=context)
+        reward = RewardSource("reward_model", flag, model=model, tokenizer=reward_tokenizer)
     for config, name in contexts:
         if longest_prompt + args.response_length > config.max_position_embeddings:
             lengths = f"--response-length {args.response_length} after the longest prompt ({longest_prompt} tokens)"
@@ -828,13 +847,6 @@ def load_models(args, tokenizer, longest_prompt):
         if args.use_peft:
             policy.enable_input_require_grads()  # the frozen embeddings' output must carry gradients through
     return policy, ref_policy, reward
-
-
-def load_policy(args, tokenizer):
-    """The policy's initial weights in float32: the toy's (from the seed), or --sft-model-path's."""
-    if args.sft_model_path is None:
-        return toy_policy(tokenizer, args.seed)  # the same seed: the same initial weights
-    return load_pretrained(AutoModelForCausalLM, args.sft_model_path, "--sft-model-path", args, dtype=torch.float32)
 
 
 def make_accelerator(args):
@@ -863,8 +875,9 @@ def make_accelerator(args):
 
 
 def prepare_frozen(model, accelerator):
-    """A model that takes no gradient: a DeepSpeed engine without optimizer (sharded like the policy), or a copy."""
-    model.eval().requires_grad_(False)
+    """A model that takes no gradient, run under no_grad (requires_grad stays the policy's: PyTorch's linear picks its
+    kernel by it): a DeepSpeed engine without optimizer, sharded like the policy, or a copy."""
+    model.eval()
     if accelerator.distributed_type != "DEEPSPEED":
         return model.to(accelerator.device)
     import deepspeed
@@ -949,7 +962,7 @@ def resume_or_seed(run, saved):
         accelerator.load_state(saved["path"])
     except Exception as error:
         raise ArgumentError(f"--resume-from-checkpoint {saved['path']}: cannot load it ({error!r:.160})") from None
-    run.start_update, run.history, run.elapsed_before = saved["update"], saved["score_history"], saved["elapsed"]
+    run.start_update, run.history = saved["update"], saved["score_history"]
     run.skipped_steps, run.consecutive_skips = saved["skipped_steps"], saved["consecutive_skips"]
 
 
@@ -965,9 +978,9 @@ def batch_indices(args, num_prompts, update, rank):
 
 @contextlib.contextmanager
 def generation_context(run):
-    """The model to sample from, and whether sampling must stay in step across ranks. Under ZeRO-3 with
-    ds3_gather_for_generation, the weights are gathered once per rollout and ZeRO-3's hooks come off: they would gather
-    each weight at every decoding step, a collective that ranks stopping at different steps would issue unevenly."""
+    """The model to sample from, and whether ranks must sample in step. Under ZeRO-3 with ds3_gather_for_generation the
+    weights are gathered once per rollout with ZeRO-3's hooks off: they would gather each weight at every step, and
+    ranks stopping at different steps would issue uneven collectives."""
     run.policy.eval()  # no dropout anyway; eval lets generation use the KV cache under gradient checkpointing
     model = run.accelerator.unwrap_model(run.policy)
     if not (run.zero3 and run.args.ds3_gather_for_generation):
@@ -1009,15 +1022,6 @@ def optimizer_step(run):
         run.optimizer.step()  # under fp16 the grad scaler itself skips a non-finite step
     run.optimizer.zero_grad()
     run.skipped_steps += int(not finite)
-
-
-def rollout_is_finite(run, scores, advantages, logprobs):
-    """The non-finite guard's verdict on every rank (False: skip); the scores are checked before clipping."""
-    finite = torch.stack([torch.isfinite(values).all() for values in (scores, advantages, logprobs)]).all()
-    finite = bool(all_reduce_sum((~finite).float()) == 0)
-    run.skipped_steps += int(not finite)
-    run.consecutive_skips = 0 if finite else run.consecutive_skips + 1
-    return finite
 
 
 @torch.no_grad()
@@ -1096,15 +1100,11 @@ def evaluate(run, update):
     queries, query_mask = pad_batch([run.eval_prompts[i] for i in indices], tokenizer.pad_token_id, device=device)
     generator = torch.Generator(device).manual_seed(args.seed + 100003 * rank + update)
     responses, response_mask = rollout(run, queries, query_mask, args.eval_temperature, generator)
-    sequences = (torch.cat([queries, responses], 1), torch.cat([query_mask, response_mask.long()], 1))
     rows = [run.eval_rows[i] for i in indices]
-    scores, rewards = score_completions(run, rows, *sequences, queries.shape[1], response_mask)
-    sums = {
-        "eval/scores": scores,
-        "eval/completion_length": response_mask.sum(1).float(),
-        "eval/num_eos_tokens": ((responses == tokenizer.eos_token_id) & response_mask).sum(1).float(),
-        **{f"eval/rewards/{name}": values for name, values in rewards.items()},
-    }
+    scores, rewards = score_completions(run, rows, queries, query_mask, responses, response_mask)
+    lengths, eos = response_mask.sum(1).float(), ((responses == tokenizer.eos_token_id) & response_mask).sum(1).float()
+    sums = {"eval/scores": scores, "eval/completion_length": lengths, "eval/num_eos_tokens": eos}
+    sums |= {f"eval/rewards/{name}": values for name, values in rewards.items()}
     real = torch.arange(per_rank, device=device) < len(mine)  # (per_rank,) not padding
     totals = all_reduce_sum(torch.stack([torch.where(real, values, 0.0).sum() for values in sums.values()])).tolist()
     metrics = {"update": update} | {key: value / total for key, value in zip(sums, totals)}
@@ -1154,10 +1154,10 @@ def save_checkpoint(run, update):
         shutil.rmtree(final + ".tmp", ignore_errors=True)  # left by a run killed while saving
     accelerator.wait_for_everyone()
     accelerator.save_state(final + ".tmp")
+    accelerator.wait_for_everyone()  # every rank's files written before the rename
     if accelerator.is_main_process:
         state = dict(update=update, world_size=args.world_size, args=asdict(args), score_history=run.history)
         state |= dict(skipped_steps=run.skipped_steps, consecutive_skips=run.consecutive_skips)
-        state["elapsed"] = run.elapsed_before + time.perf_counter() - run.start_time
         with open(os.path.join(final + ".tmp", "trainer_state.json"), "w") as f:
             json.dump(state, f)
         shutil.rmtree(final, ignore_errors=True)
@@ -1180,7 +1180,7 @@ def save_final_model(run):
         session, updates, totals = now() - run.start_time, args.num_total_batches - run.start_update, run.phase_totals
         shares = ", ".join(f"{p} {100 * totals[p] / max(sum(totals.values()), 1e-9):.0f}%" for p in PHASES)
         speed = f"{updates * args.batch_size / session:.1f} episodes/s, {sum(totals.values()) / updates:.3f} s/update"
-        tenth, took = max(1, len(run.history) // 10), f"done in {run.elapsed_before + session:.0f}s"
+        tenth, took = max(1, len(run.history) // 10), f"done in {session:.0f}s"
         score = f"{sum(run.history[:tenth]) / tenth:.3f} (first tenth) -> {sum(run.history[-tenth:]) / tenth:.3f}"
         print(f"{took}: {speed} ({shares}), peak memory {peak_memory_mib():.0f} MiB; mean score {score} (last tenth)")
 

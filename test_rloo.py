@@ -1031,7 +1031,7 @@ def local_runs(workdir):
         "plain": ["--sft-model-path", "policy"],
         "greedy": ["--sft-model-path", "policy", *EVALUATION],
         "sampled": ["--sft-model-path", "policy", *EVALUATION, "--eval-temperature", "1.0"],
-        "same_vocabulary": ["--sft-model-path", "policy_eos", "--stop-token", "eos", "--response-length", "16"],
+        "same_vocabulary": ["--sft-model-path", "policy_eos", "--stop-token", "eos", "--response-length", "3"],
     }
     runs["re_encoded"] = runs["same_vocabulary"] + ["--reward-fn", "test_rewards:vowels", "--reward-weights", "1", "0"]
     for name, flags in runs.items():  # the re-encoding reward model: the same weights, another tokenizer
@@ -1068,7 +1068,7 @@ def test_reward_model_with_another_tokenizer_scores_the_same_tokens(workdir, loc
     assert other["objective/scores"] == pytest.approx(same["objective/scores"], rel=1e-5, abs=1e-6)
     # and what it scored is prompt + completion + eos (where the completion stopped), as its own forward reads it
     call, eos = read_calls(workdir / "local_calls", "vowels")[0], rloo.toy_tokenizer().eos_token
-    texts = [p + c + (eos if len(c) < 16 else "") for p, c in zip(call["prompts"], call["completions"])]
+    texts = [p + c + (eos if len(c) < 3 else "") for p, c in zip(call["prompts"], call["completions"])]
     expected = statistics.mean(reward_model_scores(workdir / "reward_other_tokenizer", texts))
     assert other["rewards/reward_model"] == pytest.approx(expected, rel=1e-5, abs=1e-6)
     assert other["rewards/vowels"] == pytest.approx(statistics.mean(call["scores"]))
@@ -1179,16 +1179,6 @@ def test_reward_functions_see_columns_and_chat_prompts_and_are_weighted(workdir,
         assert m["rewards/columns"] == pytest.approx(statistics.mean(call["scores"]))
         assert m["rewards/vowels"] == pytest.approx(statistics.mean(vowel_call["scores"]))
         assert m["objective/scores"] == pytest.approx(0.5 * m["rewards/columns"] + 2.0 * m["rewards/vowels"], abs=1e-5)
-
-
-@slow
-def test_reward_model_context_is_checked_on_re_encoded_text(workdir, tmp_path):
-    # another tokenizer: lengths are known only once completions are re-encoded (before the check: an IndexError)
-    tokenizer = rloo.toy_tokenizer()
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<|sep|>"]})
-    gpt2_reward_model(tmp_path / "short_reward", tokenizer, positions=48)
-    proc = launch(workdir, tmp_path / "out", "--reward-model-path", str(tmp_path / "short_reward"), check=False)
-    assert "--reward-model-path" in one_line_error(proc) and "beyond its 48" in one_line_error(proc)
 
 
 @slow
@@ -1453,13 +1443,13 @@ if os.environ.get("RLOO_TEST_COUNT") and "RANK" in os.environ:  # the ranks, not
                  "_reduce_scatter_base", "all_to_all_single", "barrier"]:
         if hasattr(dist, name):
             setattr(dist, name, counted(getattr(dist, name)))
-    multinomial = torch.multinomial
+    searchsorted = torch.searchsorted  # rloo.py samples each token with it
 
     def sample(*args, **kwargs):
         events.append(["sample", count[0]])
-        return multinomial(*args, **kwargs)
+        return searchsorted(*args, **kwargs)
 
-    torch.multinomial = sample
+    torch.searchsorted = sample
     from deepspeed.runtime.zero.partition_parameters import GatheredParameters
 
     enter, leave = GatheredParameters.__enter__, GatheredParameters.__exit__
