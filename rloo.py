@@ -293,14 +293,12 @@ def generate(model, queries, query_mask, length, temperature, stop_token_id, pad
     row has stopped (on every rank when `synced`: a ZeRO-3 sharded model needs all ranks in each forward)."""
     position_ids = (query_mask.cumsum(1) - 1).clamp(min=0)
     logits, cache = prompt_forward(model, queries, query_mask, position_ids, k)
-    attention_mask, last_position, logits = query_mask, position_ids[:, -1:], logits[:, -1].float()  # (N, V)
+    attention_mask, prompt_end, logits = query_mask, position_ids[:, -1:], logits[:, -1].float()  # (N, V)
     done, tokens = torch.zeros(len(queries), dtype=torch.bool, device=queries.device), []
     for step in range(length):
         if step:  # the token just sampled, at the next position, attending to the cache of everything before it
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(queries), 1)], 1)
-            inputs = dict(
-                input_ids=tokens[-1][:, None], attention_mask=attention_mask, position_ids=last_position + step
-            )
+            inputs = dict(input_ids=tokens[-1][:, None], attention_mask=attention_mask, position_ids=prompt_end + step)
             logits = model(**inputs, cache=cache, use_cache=True).logits[:, -1].float()  # (N, V); the cache grows
         if temperature == 0:
             sampled = logits.argmax(-1)
@@ -428,10 +426,8 @@ def toy_policy(tokenizer, seed, hidden_size=64, intermediate_size=256):
     """A small GPT-NeoX (the Pythia architecture) with random weights: 2 layers, 4 heads."""
     eos = tokenizer.eos_token_id
     ids = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=eos, bos_token_id=eos)
-    sizes = dict(
-        hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=2, num_attention_heads=4
-    )
-    config = GPTNeoXConfig(vocab_size=len(tokenizer), max_position_embeddings=512, **sizes, **ids)
+    sizes = dict(hidden_size=hidden_size, intermediate_size=intermediate_size, num_attention_heads=4)
+    config = GPTNeoXConfig(vocab_size=len(tokenizer), max_position_embeddings=512, num_hidden_layers=2, **sizes, **ids)
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config)
 
@@ -470,8 +466,10 @@ def train(run):
     k = rloo_k completions each, P prompt tokens (left-padded), T response tokens."""
     args, accelerator, policy, tokenizer = run.args, run.accelerator, run.policy, run.tokenizer
     device, micro, k = accelerator.device, args.per_device_train_batch_size, args.rloo_k
-    # one micro-batch of all completions: a prompt runs once for its k copies (gradient checkpointing keeps no cache)
+    # one micro-batch of all completions: a prompt runs once for its k copies (gradient checkpointing keeps no cache);
+    # with one epoch too, the training forward's own log-probs, detached, are the "old" ones: one forward fewer
     shared = k if micro == args.local_batch_size and not args.gradient_checkpointing else 1
+    one_pass = micro == args.local_batch_size and args.num_ppo_epochs == 1
     for update in range(run.start_update, args.num_total_batches):
         lr = args.learning_rate * (1.0 - update / args.num_total_batches)  # linear decay to 0 over the run
         for group in run.optimizer.param_groups:
@@ -486,14 +484,19 @@ def train(run):
         responses, response_mask = rollout(run, queries, query_mask, args.temperature, k=k)  # (k*B, T)
         t1 = now()
 
+        # ---- 3. log-probs under the policy (the update's "old" log-probs) and under the reference; the policy's in
+        # micro-batches of the training forward's size, so that with one epoch the first ratio is 1
+        sequences, temperature, trained = (queries, query_mask, responses, response_mask), args.temperature, ()
+        policy.train()  # no dropout anyway (setup turns it off); train() lets gradient checkpointing work
+        if one_pass:  # step 9's own forward, its graph kept for the backward; its log-probs, detached, are the old ones
+            trained = forward_logprobs(policy, *sequences, temperature, True, shared)
+            old_logprobs = trained[0].detach()  # (k*B, T)
         with torch.no_grad():
-            # ---- 3. log-probs under the policy (the update's "old" log-probs) and under the reference; the
-            # policy's in micro-batches of the training forward's size, so that with one epoch the first ratio is 1
-            sequences = (queries, query_mask, responses, response_mask)
-            old_logprobs = batched_logprobs(policy, *sequences, args.temperature, micro, shared)  # (k*B, T)
+            if not one_pass:
+                old_logprobs = batched_logprobs(policy, *sequences, temperature, micro, shared)  # (k*B, T)
             with accelerator.autocast(), reference_model(run) as ref_policy:  # LoRA: the policy, adapters off
                 chunk = args.local_rollout_forward_batch_size
-                ref_logprobs = batched_logprobs(ref_policy, *sequences, args.temperature, chunk, shared)
+                ref_logprobs = batched_logprobs(ref_policy, *sequences, temperature, chunk, shared)
         # ---- 4. the score: the weighted reward sources; 5. minus missing_eos_penalty without the stop token
         scores, source_rewards = score_completions(run, rows, *sequences)  # (k*B,), each source's (k*B,)
         raw_scores = scores  # what objective/scores logs: before normalization and clipping
@@ -530,17 +533,16 @@ def train(run):
 
         # ---- 9. the update: num_ppo_epochs passes, each over num_mini_batches shuffled mini-batches of
         # gradient_accumulation_steps micro-batches, one optimizer step per mini-batch
-        policy.train()
         stats = dict.fromkeys(STAT_NAMES, 0.0)  # sums for the metrics, reduced over every rank in step 10
         for _ in range(args.num_ppo_epochs if finite else 0):  # no epochs at all when the guard skips the update
             order = torch.randperm(args.local_batch_size, device=device)  # drawn even when shared: alike random streams
-            permutation = order if shared == 1 else order.sort().values  # shared: the prompts' copies together
+            permutation = order if micro < len(order) else order.sort().values  # one micro-batch: in its order
             for start in range(0, len(order), micro):  # micro-batches; mini-batches are consecutive runs of them
                 micro_batch = permutation[start : start + micro]
                 inputs = [tensor[micro_batch] for tensor in (queries, query_mask, responses, response_mask)]
                 old, mask = old_logprobs[micro_batch], response_mask[micro_batch]
                 with accelerator.accumulate(policy):
-                    new_logprobs, entropy = forward_logprobs(policy, *inputs, args.temperature, True, shared)
+                    new_logprobs, entropy = trained or forward_logprobs(policy, *inputs, temperature, True, shared)
                     loss, clipfrac = policy_loss(new_logprobs, old, advantages[micro_batch], mask, args.cliprange)
                     accelerator.backward(loss)  # under DeepSpeed this also clips and steps at the boundary
                     optimizer_step(run)  # at the mini-batch's last micro-batch only
@@ -805,9 +807,7 @@ def load_models(args, tokenizer, longest_prompt):
     steps round small updates away; mixed precision is autocast's, or DeepSpeed's with float32 masters), before the
     Accelerator: every rank has the same full weights for DeepSpeed to shard."""
     load = functools.partial(load_pretrained, AutoModelForCausalLM, args.sft_model_path, "--sft-model-path", args)
-    policy = (
-        load(dtype=torch.float32) if args.sft_model_path else toy_policy(tokenizer, args.seed)
-    )  # toy: from the seed
+    policy = load(dtype=torch.float32) if args.sft_model_path else toy_policy(tokenizer, args.seed)  # toy: the seed's
     ref_policy, reward = None if args.use_peft else copy.deepcopy(policy), None  # LoRA: the policy, its adapters off
     if args.use_peft:
         from peft import LoraConfig, get_peft_model

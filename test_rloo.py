@@ -1141,6 +1141,21 @@ def test_first_ratio_is_one_with_one_epoch_in_token_mode(workdir, tmp_path):
 
 
 @slow
+def test_one_forward_fewer_is_the_same_update_as_two_micro_batches(workdir, tmp_path):
+    """One micro-batch and one epoch: the "old" log-probs are the training forward's own. The same update in two
+    micro-batches (two forwards, gradients accumulated) must move the weights alike, up to float rounding."""
+    flags = [*LOCAL, "--sft-model-path", "policy", "--num-ppo-epochs", "1", "--total-episodes", "8"]
+    launch(workdir, tmp_path / "one", *flags)
+    two_micro_batches = "--per-device-train-batch-size 4 --gradient-accumulation-steps 2".split()
+    launch(workdir, tmp_path / "two", *flags, *two_micro_batches)
+    start, one, two = (load_weights(path) for path in (workdir / "policy", tmp_path / "one", tmp_path / "two"))
+    steps = {name: (one[name] - start[name]).abs() for name in start}
+    assert max(step.max() for step in steps.values()) > 0.5e-3  # Adam's first step: up to the learning rate, 1e-3
+    for name, step in steps.items():  # a gradient that is 0 but for rounding (the key bias) steps by noise: left out
+        assert ((one[name] - two[name]).abs()[step > 1e-4] < 1e-5).all(), name
+
+
+@slow
 @pytest.mark.parametrize("normalize", [False, True])
 def test_reward_normalization_and_clipping(workdir, tmp_path, normalize):
     log = tmp_path / "calls"
@@ -1470,17 +1485,7 @@ if os.environ.get("RLOO_TEST_COUNT") and "RANK" in os.environ:  # the ranks, not
 # matrices of 256 x 1024 elements, above DeepSpeed's stage3_param_persistence_threshold of 1e5: ZeRO-3 shards them
 # and gathers them for each use; completions stop at random steps, so ranks sample different numbers of tokens
 SCALE_FLAGS = ["--sft-model-path", "policy_wide", "--reward-model-path", "reward", "--learning-rate", "1e-4"]
-SCALE_FLAGS += [
-    "--stop-token",
-    "eos",
-    *SHORT,
-    "--response-length",
-    "16",
-    "--eval-steps",
-    "1",
-    "--num-eval-prompts",
-    "5",
-]
+SCALE_FLAGS += [*SHORT, *"--stop-token eos --response-length 16 --eval-steps 1 --num-eval-prompts 5".split()]
 SCALE_FLAGS += ["--reward-fn", "test_rewards:vowels", "--reward-weights", "1", "0"]  # vowels: to preempt a rank
 
 
