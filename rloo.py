@@ -37,18 +37,13 @@ from typing import Any, Literal, Optional
 
 import torch
 import torch.distributed as dist
+import transformers
 import tyro
 from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs, gather_object, set_seed
 from tokenizers import Tokenizer, decoders, models
 from torch.nn.utils.rnn import pad_sequence
-from transformers import (
-    AutoModelForCausalLM,
-    AutoModelForSequenceClassification,
-    AutoTokenizer,
-    GPTNeoXConfig,
-    PreTrainedTokenizerFast,
-)
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GPTNeoXConfig
 
 
 @dataclass
@@ -134,9 +129,8 @@ def truncate_response(responses, stop_token_id, pad_token_id):
     """Cut each response after its first stop token (kept) and fill the rest with pad: (responses, response_mask),
     (N, T). The mask comes from positions, not from comparing ids with the pad id, so pad == eos works too."""
     T = responses.shape[1]
-    lengths = torch.full((responses.shape[0],), T, device=responses.device)
-    if stop_token_id is not None:
-        lengths = torch.clamp(first_true_indices(responses == stop_token_id) + 1, max=T)
+    stops = responses == stop_token_id if stop_token_id is not None else torch.zeros_like(responses, dtype=torch.bool)
+    lengths = torch.clamp(first_true_indices(stops) + 1, max=T)  # T where a row has no stop token
     response_mask = torch.arange(T, device=responses.device)[None, :] < lengths[:, None]
     return torch.where(response_mask, responses, pad_token_id), response_mask
 
@@ -212,8 +206,7 @@ def token_level_advantages(scores, kl, response_mask, kl_coef, rloo_k, whiten_re
         _, var = global_mean_var(token_rewards, response_mask)
         scale = torch.rsqrt(var + 1e-8)
         scores, non_score = scores * scale, non_score * scale
-    # reversed cumulative sum: the KL paid from token t to the end
-    kl_to_go = non_score.flip(1).cumsum(1).flip(1)
+    kl_to_go = non_score.flip(1).cumsum(1).flip(1)  # a reversed cumulative sum: the KL paid from token t to the end
     return rloo_advantages(scores, rloo_k)[:, None] + kl_to_go
 
 
@@ -253,8 +246,7 @@ def prompt_forward(model, queries, query_mask, position_ids, k):
     B = len(queries) // k
     inputs = dict(input_ids=queries[:B], attention_mask=query_mask[:B], position_ids=position_ids[:B])
     output = model(**inputs, use_cache=True, logits_to_keep=1)
-    if k > 1:
-        output.cache.reorder_cache(torch.arange(B, device=queries.device).repeat(k))
+    output.cache.reorder_cache(torch.arange(B, device=queries.device).repeat(k))  # (k = 1: unchanged)
     return output.logits.repeat(k, 1, 1), output.cache
 
 
@@ -321,7 +313,8 @@ def rollout(run, queries, query_mask, temperature, generator=None, k=1):
     token, and its mask; about local_rollout_forward_batch_size rows per call; no column where every one had stopped."""
     length, stop, pad = run.args.response_length, run.args.stop_token_id, run.tokenizer.pad_token_id
     responses = torch.full((len(queries), length), pad, device=queries.device)
-    with generation_context(run) as (model, synced):
+    fp32 = run.accelerator.mixed_precision == "no"  # not sharded, no autocast: packed float32 weights (CPU only)
+    with generation_context(run) as (model, synced), packed_linears(model, fp32 and not synced):
         for rows in prompt_chunks(len(queries), k, run.args.local_rollout_forward_batch_size):
             sample = (length, temperature, stop, pad, synced, generator, k)
             tokens = generate(model, queries[rows], query_mask[rows], *sample)
@@ -383,10 +376,7 @@ def call_reward_fn(source, rows, completions, text_field):
     scores = source.fn([row[text_field] for row in rows], completions, **columns)
     if not hasattr(scores, "__len__") or len(scores) != len(completions):
         raise ValueError(f"{source.flag} must return {len(completions)} numbers, one per completion")
-    try:
-        return [float(score) for score in scores]
-    except (TypeError, ValueError):
-        raise ValueError(f"{source.flag} returned a value that is not a number") from None
+    return [float(score) for score in scores]  # float's own error for a value that is not a number
 
 
 def render_for_reward(tokenizer, prompt, completion, stopped):
@@ -419,7 +409,7 @@ def toy_tokenizer():
     tokenizer = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[], unk_token="<|unk|>"))
     tokenizer.decoder = decoders.Fuse()  # no merges: one token per character
     special = dict(pad_token="<|pad|>", eos_token="<|endoftext|>", unk_token="<|unk|>")
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, padding_side="left", **special)
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, padding_side="left", **special)
 
 
 def toy_policy(tokenizer, seed, hidden_size=64, intermediate_size=256):
@@ -640,8 +630,7 @@ def setup(args):
     for source, weight in zip(sources, args.reward_weights or [1.0] * len(sources)):
         source.weight = weight
     run = Run(args, accelerator, tokenizer, prompts, rows, policy, ref_policy, optimizer, sources, zero3, *evaluation)
-    if args.report_to != "none":
-        accelerator.init_trackers(args.exp_name, config=asdict(args))
+    accelerator.init_trackers(args.exp_name, config=asdict(args))  # no tracker: nothing to do, as for log()
     resume_or_seed(run, saved)
     for signum in (signal.SIGTERM, signal.SIGINT):  # preemption: finish the update, checkpoint, exit
         signal.signal(signum, functools.partial(on_stop_signal, run))
@@ -717,8 +706,7 @@ def resolve_args(args, world_size, tokenizer, num_prompts, saved=None):
     if args.local_batch_size % args.rloo_k:
         flags = "--per-device-train-batch-size x --gradient-accumulation-steps x --num-mini-batches"
         raise ArgumentError(f"--rloo-k {args.rloo_k} must divide {flags} ({args.local_batch_size})")
-    if num_prompts < args.local_dataloader_batch_size * world_size:
-        needed = args.local_dataloader_batch_size * world_size
+    if num_prompts < (needed := args.local_dataloader_batch_size * world_size):
         raise ArgumentError(f"--dataset-name: one update needs {needed} prompts, there are {num_prompts}")
     if args.total_episodes < args.batch_size:
         raise ArgumentError(f"--total-episodes {args.total_episodes} is less than one update ({args.batch_size})")
@@ -1004,6 +992,20 @@ def generation_context(run):
 
 
 @contextlib.contextmanager
+def packed_linears(model, enabled):
+    """On the CPU, float32 nn.Linear layers of 2**18 weights or more (below, MKL is faster) run through oneDNN on
+    weights reordered once per rollout, as torch.compile does: sampling 16 rows, the unembedding is 2.5x faster."""
+    cpu = enabled and torch.backends.mkldnn.is_available() and next(model.parameters()).device.type == "cpu"
+    large = [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.numel() >= 2**18]
+    for m in (linears := [m for m in large if cpu and m.weight.dtype == torch.float32]):
+        packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach())
+        m.forward = lambda x, m=m, packed=packed: torch.ops.mkldnn._linear_pointwise(x, packed, m.bias, "none", [], "")
+    yield
+    for m in linears:
+        del m.forward  # nn.Linear's own again
+
+
+@contextlib.contextmanager
 def reference_model(run):
     """The frozen reference: its own model, or with LoRA the policy itself with its adapters switched off."""
     policy = run.accelerator.unwrap_model(run.policy)
@@ -1074,8 +1076,7 @@ def log_metrics(run, update, stats, lr, times, samples):
     }
     run.phase_totals = {phase: run.phase_totals[phase] + seconds for phase, seconds in phases.items()}
     run.history.append(metrics["objective/scores"])
-    if args.report_to != "none":
-        accelerator.log(metrics, step=metrics["episode"])
+    accelerator.log(metrics, step=metrics["episode"])
     if accelerator.is_main_process:
         append_lines(args, "metrics.jsonl", [metrics])
         if done % max(1, args.num_total_batches // 20) == 0 or update == run.start_update:
@@ -1118,8 +1119,7 @@ def evaluate(run, update):
     if accelerator.is_main_process:
         append_lines(args, "metrics.jsonl", [metrics])
         append_lines(args, "eval_completions.jsonl", records)
-    if args.report_to != "none":
-        accelerator.log(metrics, step=update * args.batch_size)
+    accelerator.log(metrics, step=update * args.batch_size)
 
 
 def end_of_update(run, update, stopping):

@@ -199,8 +199,7 @@ def test_truncate_response_pad_equals_stop():
     out, mask = rloo.truncate_response(responses, eos, pad)
     assert out.tolist() == [[5, 0, 0, 0], [3, 4, 6, 8], [0, 0, 0, 0], [1, 2, 3, 0]]
     # the stop token is real even though it has the pad id; a row without a stop keeps everything
-    assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 1, 1]]
-    assert mask.dtype == torch.bool
+    assert mask.dtype == torch.bool and mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 1, 1]]
 
 
 def test_truncate_response_distinct_pad():
@@ -213,8 +212,7 @@ def test_truncate_response_distinct_pad():
 def test_truncate_response_without_stop_token_keeps_everything():
     responses = torch.tensor([[5, 0, 7, 0], [0, 0, 0, 0]])
     out, mask = rloo.truncate_response(responses, None, 0)
-    assert out.tolist() == responses.tolist()
-    assert mask.all() and mask.shape == responses.shape
+    assert out.tolist() == responses.tolist() and mask.all() and mask.shape == responses.shape
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -228,11 +226,8 @@ def token_advantages_reference(scores, kl, mask, kl_coef, k):
     for n in range(len(scores)):
         row = []
         for t in range(kl.shape[1]):
-            if not mask[n, t]:
-                row.append(None)
-                continue
             to_go = sum(float(kl[n, u]) for u in range(t, kl.shape[1]) if mask[n, u])
-            row.append(loo[n] - kl_coef * to_go)
+            row.append(loo[n] - kl_coef * to_go if mask[n, t] else None)
         out.append(row)
     return out
 
@@ -790,7 +785,7 @@ def test_reward_functions_get_the_columns_they_name():
         ("no_module_here:fn", "cannot import it"),
         ("test_rewards:missing", "cannot import it"),
         ("test_rewards:wrong_count", "must return 2 numbers"),
-        ("test_rewards:not_numbers", "not a number"),
+        ("test_rewards:not_numbers", "could not convert string to float"),
         ("test_rewards:always_nan", "returned NaN"),
         ("test_rewards:columns", "failed on two prompts: TypeError"),  # the toy prompts have no `answer` column
     ],
@@ -809,11 +804,21 @@ def test_two_reward_sources_may_not_share_a_name(workdir, tmp_path, monkeypatch)
 def test_generate_survives_a_diverged_policy():
     class Diverged(torch.nn.Module):  # logits all NaN, as from NaN weights
         def forward(self, input_ids, **kwargs):
-            return type("Output", (), {"logits": torch.full((len(input_ids), 1, 5), math.nan), "cache": None})
+            cache = type("Cache", (), {"reorder_cache": lambda self, rows: None})()
+            return type("Output", (), {"logits": torch.full((len(input_ids), 1, 5), math.nan), "cache": cache})
 
     ones = torch.ones(3, 2, dtype=torch.long)
     tokens = rloo.generate(Diverged(), ones, ones, 4, 0.7, None, 0, synced=False)
     assert tokens.shape == (3, 4) and ((0 <= tokens) & (tokens < 5)).all()
+
+
+def test_packed_linears_compute_what_nn_linear_computes():
+    model, x = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 64)), torch.randn(3, 1, 512)
+    with rloo.packed_linears(model, True):  # the first has 2**18 weights: packed; the second is left to MKL
+        assert ["forward" in vars(linear) for linear in model] == [True, False]
+        packed = model(x)
+    assert_close(packed, model(x))
+    assert not any("forward" in vars(linear) for linear in model)  # nn.Linear's own forward again
 
 
 def test_checkpoint_dirs_ignore_half_written(tmp_path):
