@@ -17,7 +17,6 @@ task; `train`, the loop, steps 1-10 in the algorithm's order. Skip the PLUMBING 
 """
 
 import contextlib
-import copy
 import fcntl
 import functools
 import importlib
@@ -211,9 +210,10 @@ def token_level_advantages(scores, kl, response_mask, kl_coef, rloo_k, whiten_re
 
 
 def logprobs_from_logits(logits, tokens, temperature, with_entropy=False):
-    """log softmax(logits / temperature)[token] in float32, a few rows at a time so that no (N, T, V) float32 copy of
-    bf16 logits is ever made. With with_entropy, also the entropy of each position's distribution (no grad)."""
-    logprobs, entropies, rows = [], [], max(1, 2**21 // logits[0].numel())  # about 2**21 logits (8 MB) at a time
+    """log softmax(logits / temperature)[token] in float32, a few rows at a time (about 256 MB of float32 logits) so
+    that no (N, T, V) float32 copy of bf16 logits is made at once. With with_entropy, also the entropy of each
+    position's distribution (no grad)."""
+    logprobs, entropies, rows = [], [], max(1, 2**26 // logits[0].numel())
     for chunk, chunk_tokens in zip(logits.split(rows), tokens.split(rows)):
         chunk = chunk.float() / temperature  # (rows, T, V)
         logsumexp = chunk.logsumexp(-1)
@@ -263,6 +263,19 @@ def batched_logprobs(model, queries, query_mask, responses, response_mask, tempe
         sequences = (queries[rows], query_mask[rows], responses[rows], response_mask[rows])
         logprobs[rows] = forward_logprobs(model, *sequences, temperature, k=k)[0]
     return logprobs
+
+
+def float32_head(linear):
+    """Make a head (the unembedding, a reward model's `score`) compute in float32 from its bf16 inputs and weights:
+    under bf16 autocast or DeepSpeed's bf16 it would round its outputs to bf16 (steps of 0.06 near a logit of 10)
+    before any of the float32 math of log-probs, ratios and rewards."""
+
+    def forward(hidden):
+        bias = None if linear.bias is None else linear.bias.float()
+        with torch.autocast(hidden.device.type, enabled=False):
+            return torch.nn.functional.linear(hidden.float(), linear.weight.float(), bias)
+
+    linear.forward = forward
 
 
 def get_reward(reward_model, input_ids, attention_mask, last_index):
@@ -468,14 +481,15 @@ def train(run):
         # ---- data: this rank's B prompts, repeated k times k-major (row i*B + j is sample i of prompt j)
         batch = batch_indices(args, len(run.prompts), update, accelerator.process_index)  # (B,) dataset rows
         queries, query_mask = pad_batch([run.prompts[i] for i in batch] * k, tokenizer.pad_token_id, device=device)
-        rows, t0 = [run.rows[i] for i in batch] * k, now()  # the dataset's rows, k-major
+        rows, t0 = [run.rows[i] for i in batch] * k, now(device)  # the dataset's rows, k-major
 
         # ---- 1. rollout: sample k completions per prompt (which runs once), and 2. cut each after its stop token
         responses, response_mask = rollout(run, queries, query_mask, args.temperature, k=k)  # (k*B, T)
-        t1 = now()
+        t1 = now(device)
 
-        # ---- 3. log-probs under the policy (the update's "old" log-probs) and under the reference; the policy's in
-        # micro-batches of the training forward's size, so that with one epoch the first ratio is 1
+        # ---- 3. log-probs under the policy (the update's "old" log-probs) and under the reference, both in
+        # micro-batches of the training forward's size: the same shapes run the same kernels (on GPUs too), so with one
+        # epoch the first ratio is 1, and before the first step the KL is 0
         sequences, temperature, trained = (queries, query_mask, responses, response_mask), args.temperature, ()
         policy.train()  # no dropout anyway (setup turns it off); train() lets gradient checkpointing work
         if one_pass:  # step 9's own forward, its graph kept for the backward; its log-probs, detached, are the old ones
@@ -485,12 +499,11 @@ def train(run):
             if not one_pass:
                 old_logprobs = batched_logprobs(policy, *sequences, temperature, micro, shared)  # (k*B, T)
             with accelerator.autocast(), reference_model(run) as ref_policy:  # LoRA: the policy, adapters off
-                chunk = args.local_rollout_forward_batch_size
-                ref_logprobs = batched_logprobs(ref_policy, *sequences, temperature, chunk, shared)
+                ref_logprobs = batched_logprobs(ref_policy, *sequences, temperature, micro, shared)
         # ---- 4. the score: the weighted reward sources; 5. minus missing_eos_penalty without the stop token
         scores, source_rewards = score_completions(run, rows, *sequences)  # (k*B,), each source's (k*B,)
         raw_scores = scores  # what objective/scores logs: before normalization and clipping
-        t2 = now()
+        t2 = now(device)
 
         # ---- 6. normalize (optional, over the global batch) and always clip to [-c, c]
         if args.normalize_reward:
@@ -537,7 +550,7 @@ def train(run):
                     accelerator.backward(loss)  # under DeepSpeed this also clips and steps at the boundary
                     optimizer_step(run)  # at the mini-batch's last micro-batch only
                 add_stats(stats, loss, clipfrac, new_logprobs, old, entropy, mask, args.token_level_kl)
-        t3 = now()
+        t3 = now(device)
 
         # ---- 10. metrics (TRL's names), over real response tokens only, summed over every rank in one all-reduce
         grouped = raw_scores.view(k, -1)  # (k, B)
@@ -616,10 +629,14 @@ def setup(args):
         raise ArgumentError(f"--reward-fn: two reward sources share a name ({', '.join(names)}); rename one")
     if os.environ.get("RANK", "0") == "0":  # the main process
         prepare_output_dir(args, saved)
-    if not torch.cuda.is_available():
-        torch.set_num_threads(args.cpu_threads)
-    policy, ref_policy, reward_model = load_models(args, tokenizer, max(map(len, prompts + evaluation[0])))
+    # the Accelerator before the models: under ZeRO-3, from_pretrained then loads each model already sharded
     accelerator, zero3 = make_accelerator(args)
+    if accelerator.device.type == "cpu":
+        torch.set_num_threads(args.cpu_threads)
+    float32_heads = accelerator.mixed_precision != "no"
+    policy, ref_policy, reward_model = load_models(
+        args, tokenizer, max(map(len, prompts + evaluation[0])), float32_heads
+    )
     trainable = [p for p in policy.parameters() if p.requires_grad]  # with LoRA, the adapters only
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, eps=1e-8, weight_decay=0.0, fused=True)
     policy, optimizer = accelerator.prepare(policy, optimizer)
@@ -636,11 +653,11 @@ def setup(args):
         signal.signal(signum, functools.partial(on_stop_signal, run))
     sizes = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for p in policy.parameters()]  # ZeRO-3: whole
     trained = f"{sum(n for n, grad in sizes if grad):,} of {sum(n for n, _ in sizes):,} parameters trained"
-    threads = "" if torch.cuda.is_available() else f", {torch.get_num_threads()} CPU threads each"
+    threads = f", {torch.get_num_threads()} CPU threads each" if accelerator.device.type == "cpu" else ""
     if accelerator.is_main_process:  # the header line
         print(f"{args.run_name}: {args.num_total_batches} updates of {args.batch_size} completions ", end="")
         print(f"({args.world_size} processes{threads}; {trained}) -> {args.output_dir}")
-    run.start_time = run.previous_end = now()
+    run.start_time = run.previous_end = now(accelerator.device)
     return run
 
 
@@ -790,13 +807,19 @@ def load_prompts(args, tokenizer, path, split, flag, limit=None):
     return prompts[:limit], kept[:limit]
 
 
-def load_models(args, tokenizer, longest_prompt):
+def load_models(args, tokenizer, longest_prompt, float32_heads):
     """Policy, reference and reward model (a RewardSource, or None), in float32 whatever the checkpoint's dtype (bf16
-    steps round small updates away; mixed precision is autocast's, or DeepSpeed's with float32 masters), before the
-    Accelerator: every rank has the same full weights for DeepSpeed to shard."""
-    load = functools.partial(load_pretrained, AutoModelForCausalLM, args.sft_model_path, "--sft-model-path", args)
-    policy = load(dtype=torch.float32) if args.sft_model_path else toy_policy(tokenizer, args.seed)  # toy: the seed's
-    ref_policy, reward = None if args.use_peft else copy.deepcopy(policy), None  # LoRA: the policy, its adapters off
+    steps round small updates away; mixed precision is autocast's, or DeepSpeed's with float32 masters). Under ZeRO-3
+    each is loaded already sharded (the Accelerator exists): no rank ever holds a whole model."""
+    if args.sft_model_path:
+        load_policy = functools.partial(load_pretrained, AutoModelForCausalLM, args.sft_model_path, "--sft-model-path")
+        load_policy = functools.partial(load_policy, args, dtype=torch.float32)
+    else:  # the toy's, from the seed
+        load_policy = functools.partial(toy_policy, tokenizer, args.seed)
+    policy = load_policy()
+    # the reference is loaded a second time rather than copied (LoRA: none, the policy with its adapters off)
+    ref_policy = None if args.use_peft else load_policy()
+    reward = None
     if args.use_peft:
         from peft import LoraConfig, get_peft_model
 
@@ -816,6 +839,7 @@ def load_models(args, tokenizer, longest_prompt):
         flag = f"--reward-model-path {args.reward_model_path}"
         if model.config.num_labels != 1:
             raise ArgumentError(f"{flag}: the reward model has {model.config.num_labels} labels; it needs exactly 1")
+
         # a decoder (a `score` head) with the policy's vocabulary reads the policy's token ids, whose lengths are
         # known now; any other reads prompt + completion re-encoded by its own tokenizer
         if hasattr(model, "score") and reward_tokenizer.get_vocab() == tokenizer.get_vocab():
@@ -826,10 +850,13 @@ def load_models(args, tokenizer, longest_prompt):
         if longest_prompt + args.response_length > config.max_position_embeddings:
             lengths = f"--response-length {args.response_length} after the longest prompt ({longest_prompt} tokens)"
             raise ArgumentError(f"{lengths} is beyond the {name}'s {config.max_position_embeddings} positions")
-    for model in (policy, ref_policy, reward and reward.model):
-        for module in model.modules() if model is not None else []:
+    for model in [model for model in (policy, ref_policy, reward and reward.model) if model is not None]:
+        for module in model.modules():
             if isinstance(module, torch.nn.Dropout):
                 module.p = 0.0  # the log-probs of the rollout and of the update must come from the same function
+        head = getattr(model, "score", None) or model.get_output_embeddings()  # an encoder's classifier: none
+        if float32_heads and head is not None:
+            float32_head(head)
     if args.gradient_checkpointing:
         policy.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         if args.use_peft:
@@ -859,6 +886,7 @@ def make_accelerator(args):
     ds_config["train_batch_size"] = args.per_device_train_batch_size * args.gradient_accumulation_steps * processes
     ds_config["gradient_clipping"] = args.max_grad_norm
     ds_config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True  # a full state dict to save
+    ds_config["data_types"] = {"grad_accum_dtype": "fp32"}  # not bf16: micro-batches' gradients add up in float32
     return accelerator, ds_config["zero_optimization"]["stage"] == 3
 
 
@@ -1014,9 +1042,15 @@ def reference_model(run):
 
 
 def optimizer_step(run):
-    """At a mini-batch's end (DeepSpeed steps in backward): clip, step unless the norm is not finite, zero."""
+    """At a mini-batch's end: clip, step unless the norm is not finite (every rank sees the same norm), zero. A step
+    not taken counts in train/skipped_steps, under DeepSpeed too, which clips and steps inside backward."""
     accelerator = run.accelerator
-    if not accelerator.sync_gradients or accelerator.distributed_type == "DEEPSPEED":
+    if not accelerator.sync_gradients:
+        return
+    if accelerator.distributed_type == "DEEPSPEED":
+        # DeepSpeed's verdict: on a non-finite global norm it zeroed the gradients and left weights and optimizer alone
+        norm = run.policy.get_global_grad_norm()
+        run.skipped_steps += int(norm is not None and not math.isfinite(norm))
         return
     max_norm = run.args.max_grad_norm or math.inf  # 0: no clipping, but the norm is still checked
     finite = math.isfinite(accelerator.clip_grad_norm_(run.policy.parameters(), max_norm))  # one host sync
@@ -1072,7 +1106,7 @@ def log_metrics(run, update, stats, lr, times, samples):
         "train/skipped_steps": run.skipped_steps,
         **{f"time/{phase}": seconds for phase, seconds in phases.items()},  # where this update's time went
         "time/tokens_per_second": totals["generated"] / max(t1 - t0, 1e-9),  # generated, over every rank
-        "time/peak_memory_mib": peak_memory_mib(),  # this rank's
+        "time/peak_memory_mib": peak_memory_mib(accelerator.device),  # this rank's
     }
     run.phase_totals = {phase: run.phase_totals[phase] + seconds for phase, seconds in phases.items()}
     run.history.append(metrics["objective/scores"])
@@ -1169,31 +1203,49 @@ def save_checkpoint(run, update):
 
 def save_final_model(run):
     """The final policy as a save_pretrained directory (with LoRA: the adapter), then the closing line."""
-    accelerator, args = run.accelerator, run.args
+    accelerator, args, model = run.accelerator, run.args, run.accelerator.unwrap_model(run.policy)
     state_dict = accelerator.get_state_dict(run.policy)  # under ZeRO-3, gathers the full weights from every rank
+    if accelerator.distributed_type == "DEEPSPEED":  # it trains bf16 copies of float32 masters: save the masters
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        masters = {}  # by storage, so that a tied weight's other name gets the same tensor
+        for name, param in model.named_parameters():
+            master = safe_get_full_fp32_param(param) if param.requires_grad else None  # every rank gathers it
+            if master is not None and accelerator.is_main_process:
+                masters[state_dict[name].data_ptr()] = master.cpu()
+        if accelerator.is_main_process:
+            state_dict = {name: masters.get(tensor.data_ptr(), tensor) for name, tensor in state_dict.items()}
     if accelerator.is_main_process:
-        accelerator.unwrap_model(run.policy).save_pretrained(args.output_dir, state_dict=state_dict)
+        model.save_pretrained(args.output_dir, state_dict=state_dict)
         run.tokenizer.save_pretrained(args.output_dir)
+        if accelerator.distributed_type == "DEEPSPEED" and not args.use_peft:  # it wrote the bf16 copies' dtype
+            model.config.dtype = "float32"
+            model.config.to_json_file(os.path.join(args.output_dir, "config.json"))
     accelerator.wait_for_everyone()
     accelerator.end_training()
     if accelerator.is_main_process and run.history:  # the closing line: speed, where the time went, the score's rise
-        session, updates, totals = now() - run.start_time, args.num_total_batches - run.start_update, run.phase_totals
+        session = now(accelerator.device) - run.start_time
+        updates, totals = args.num_total_batches - run.start_update, run.phase_totals
         shares = ", ".join(f"{p} {100 * totals[p] / max(sum(totals.values()), 1e-9):.0f}%" for p in PHASES)
         speed = f"{updates * args.batch_size / session:.1f} episodes/s, {sum(totals.values()) / updates:.3f} s/update"
         tenth, took = max(1, len(run.history) // 10), f"done in {session:.0f}s"
         score = f"{sum(run.history[:tenth]) / tenth:.3f} (first tenth) -> {sum(run.history[-tenth:]) / tenth:.3f}"
-        print(f"{took}: {speed} ({shares}), peak memory {peak_memory_mib():.0f} MiB; mean score {score} (last tenth)")
+        memory = f"peak memory {peak_memory_mib(accelerator.device):.0f} MiB"
+        print(f"{took}: {speed} ({shares}), {memory}; mean score {score} (last tenth)")
 
 
-def now():
-    if torch.cuda.is_available():
+def now(device):
+    if device.type == "cuda":
         torch.cuda.synchronize()  # time what the GPU did, not what was queued
     return time.perf_counter()
 
 
-def peak_memory_mib():  # allocated GPU memory; on the CPU, the process's peak resident set size (Linux: in KiB)
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else rss
+def peak_memory_mib(device):
+    """On CUDA the allocator's peak reserved memory (what the process holds on the card, its cache included); on the
+    CPU the process's peak resident set size (Linux reports it in KiB)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_reserved() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 if __name__ == "__main__":

@@ -395,6 +395,30 @@ def test_logprobs_from_logits_gradient():
     assert_close(logits.grad, expected)
 
 
+def test_logprobs_under_bf16_autocast_come_from_a_float32_head():
+    tokenizer = rloo.toy_tokenizer()
+    policy, ref_policy, _ = rloo.load_models(rloo.Args(), tokenizer, 8, float32_heads=True)
+    head = policy.get_output_embeddings()
+    with torch.no_grad():
+        head.weight *= 40  # logits of about 10, where bf16's spacing is 0.06
+    g = torch.Generator().manual_seed(11)
+    queries, responses = torch.randint(0, 95, (4, 6), generator=g), torch.randint(0, 95, (4, 5), generator=g)
+    masks = torch.ones_like(queries), torch.ones_like(responses, dtype=torch.bool)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        logprobs, _ = rloo.forward_logprobs(policy, queries, masks[0], responses, masks[1], temperature=0.7)
+        hidden = policy.gpt_neox(input_ids=torch.cat([queries, responses], 1)).last_hidden_state[:, 5:-1]
+    # independently: the same hidden states (autocast's layer norm returns float32) through the head in float32, and
+    # in bf16, as autocast would run it
+    for dtype, tolerance in [(torch.float32, 1e-5), (torch.bfloat16, None)]:
+        logits = (hidden.to(dtype) @ head.weight.to(dtype).T).float() / 0.7
+        expected = torch.log_softmax(logits, -1).gather(-1, responses[..., None]).squeeze(-1)
+        if tolerance:
+            assert_close(logprobs, expected, rtol=tolerance, atol=tolerance)
+        else:  # the rounding that the float32 head removes is far above float32's
+            assert (logprobs - expected).abs().max() > 1e-2
+    assert ref_policy.get_output_embeddings().forward.__qualname__ == head.forward.__qualname__  # the reference too
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # 7. reward models: get_reward (decoders read at the last token, encoders through their own forward), render_for_reward
 
@@ -948,11 +972,19 @@ def workdir(tmp_path_factory):
     return root
 
 
-def launch(workdir, output, *flags, backend="single", env=None, check=True, pythonpath=None):
+def launch(workdir, output, *flags, backend="single", env=None, check=True, pythonpath=None, precision="no"):
     """rloo.py in a subprocess: one process without a launcher (`python rloo.py`), or under `accelerate launch`:
     one process ("accelerate"), two under ZeRO-3 (ds_zero3.yaml), DDP, or `--multi_gpu` alone, without
-    ACCELERATE_USE_CPU (rloo.py must make it DDP)."""
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", "1", "--mixed_precision", "no"]
+    ACCELERATE_USE_CPU (rloo.py must make it DDP); `precision`: accelerate's --mixed_precision."""
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        precision,
+    ]
     command += ["--dynamo_backend", "no"]
     run_env = subprocess_env(pythonpath=pythonpath or workdir, **(env or {}))
     if backend == "single":
@@ -1597,3 +1629,98 @@ def test_preempted_zero3_run_resumes(workdir, scale_runs, tmp_path):
     assert proc.returncode != 0 and [m["update"] for m in read_metrics(tmp_path / "cut", "all")] == [1, 1]
     launch(workdir, tmp_path / "cut", *flags, "--resume-from-checkpoint", "latest", backend="zero3")
     assert_resumed_run_matches(scale_runs[0]["zero3"], tmp_path / "cut", exact=False)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 14. right at scale: bf16 and ZeRO-3 as a GPU user meets them, on 2 CPU processes
+
+# poisons one micro-batch's loss on rank 0 (every gradient it touches becomes NaN); records the dtype in which
+# DeepSpeed accumulates gradients, and whether each model reached DeepSpeed already sharded (ZeRO-3 leaves an empty
+# tensor in each parameter of a partitioned model)
+POISON = """
+import os
+if os.environ.get("RLOO_TEST_POISON_AT"):
+    import accelerate
+    backward, calls = accelerate.Accelerator.backward, [0]
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true":
+        import deepspeed
+        initialize = deepspeed.initialize
+
+        def recorded(*args, model, **kwargs):
+            with open(os.environ["RLOO_TEST_DTYPE"] + ".sharded." + os.environ["RANK"], "a") as f:
+                f.write(str(all(p.numel() == 0 for p in model.parameters())) + "\\n")
+            return initialize(*args, model=model, **kwargs)
+
+        deepspeed.initialize = recorded
+
+    def poisoned(self, loss, **kwargs):
+        calls[0] += 1
+        if calls[0] == int(os.environ["RLOO_TEST_POISON_AT"]) and self.process_index == 0:
+            loss = loss * float("nan")
+        if calls[0] == 1 and self.distributed_type == "DEEPSPEED" and self.process_index == 0:
+            dtype = self.deepspeed_engine_wrapped.engine.optimizer.gradient_accumulation_dtype
+            open(os.environ["RLOO_TEST_DTYPE"], "w").write(str(dtype))
+        return backward(self, loss, **kwargs)
+
+    accelerate.Accelerator.backward = poisoned
+"""
+# 3 updates on 2 processes (6 on 1) of one optimizer step each, over 2 micro-batches; a checkpoint after each
+POISON_FLAGS = ["--reward-fn", "test_rewards:vowels", *SHORT, "--per-device-train-batch-size", "4", "--save-steps", "1"]
+POISON_FLAGS += ["--gradient-accumulation-steps", "2", "--num-ppo-epochs", "1", "--total-episodes", "48"]
+
+
+def poisoned_run(workdir, output, **kwargs):
+    """The run with update 2's first micro-batch poisoned on rank 0 (backward call 3)."""
+    (workdir / "poison").mkdir(exist_ok=True)
+    (workdir / "poison" / "sitecustomize.py").write_text(POISON)
+    env = {"RLOO_TEST_POISON_AT": "3", "RLOO_TEST_DTYPE": f"{output}.dtype"}
+    pythonpath = f"{workdir / 'poison'}{os.pathsep}{workdir}"
+    return launch(workdir, output, *POISON_FLAGS, env=env, pythonpath=pythonpath, **kwargs)
+
+
+def zero3_masters(checkpoint):
+    """The float32 master weights of a ZeRO-3 checkpoint written by accelerate's save_state, from every rank's part."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag="pytorch_model")
+
+
+@slow
+def test_zero3_bf16_skips_a_poisoned_step_and_saves_its_float32_masters(workdir, tmp_path):
+    poisoned_run(workdir, tmp_path / "out", backend="zero3", precision="bf16")
+    metrics = read_metrics(tmp_path / "out")
+    assert [m["train/skipped_steps"] for m in metrics] == [0, 1, 1]  # counted, on both ranks' one verdict
+    # bf16 on both models, scored in chunks of one size: the reference computes exactly what the policy does
+    assert metrics[0]["objective/kl"] == 0.0 and metrics[0]["val/ratio"] == 1.0
+    masters = [zero3_masters(tmp_path / "out" / f"checkpoint-{n}") for n in (1, 2, 3)]
+    for rank in (0, 1):  # Adam's step count and moments: untouched by the skipped step
+        name = f"pytorch_model/bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+        states = [torch.load(tmp_path / "out" / f"checkpoint-{n}" / name, weights_only=False) for n in (1, 2)]
+        states = [state["optimizer_state_dict"]["optimizer_state_dict"]["state"][0] for state in states]
+        assert states[0].keys() == states[1].keys() and all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+    assert all(torch.isfinite(tensor).all() for tensor in masters[1].values())
+    assert all(torch.equal(masters[0][name], masters[1][name]) for name in masters[0])  # the step was not taken
+    assert any(not torch.equal(masters[1][name], masters[2][name]) for name in masters[1])  # update 3's was
+    # the final model: the float32 masters, not DeepSpeed's bf16 copies of them
+    from transformers import AutoModelForCausalLM
+
+    assert all(tensor.dtype == torch.float32 for tensor in load_weights(tmp_path / "out").values())
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "float32"
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "out").state_dict()
+    assert saved.keys() == masters[2].keys() and all(torch.equal(saved[n], masters[2][n]) for n in saved)
+    assert (tmp_path / "out.dtype").read_text() == "torch.float32"  # gradients accumulate in float32
+    for rank in (0, 1):  # policy and reference: loaded already sharded, never whole on a rank
+        assert (tmp_path / f"out.dtype.sharded.{rank}").read_text().split() == ["True", "True"]
+
+
+@slow
+def test_one_process_skips_a_poisoned_step_alike(workdir, tmp_path):
+    poisoned_run(workdir, tmp_path / "out")
+    assert [m["train/skipped_steps"] for m in read_metrics(tmp_path / "out")] == [0, 1, 1, 1, 1, 1]
+    weights = [load_weights(tmp_path / "out" / f"checkpoint-{n}") for n in (1, 2)]
+    assert all(
+        torch.isfinite(weights[1][name]).all() and torch.equal(weights[0][name], weights[1][name])
+        for name in weights[0]
+    )
+    states = [torch.load(tmp_path / "out" / f"checkpoint-{n}" / "optimizer.bin")["state"] for n in (1, 2)]
+    assert all(torch.equal(states[0][i][key], states[1][i][key]) for i in states[0] for key in states[0][i])
