@@ -1,19 +1,21 @@
 """RLOO (REINFORCE Leave-One-Out) in one file: fine-tune a language model against a reward.
 
-Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization for Learning from Human Feedback".
-For each prompt, sample k completions; each completion's advantage is its reward minus the mean reward of the
-other k-1 completions of the same prompt. No value network, no GAE: one policy, a frozen reference and a reward.
+Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization for Learning from Human
+Feedback". For each prompt, sample k completions; each completion's advantage is its reward minus the mean
+reward of the other k-1 completions of the same prompt. No value network, no GAE: one policy, a frozen
+reference and a reward.
 
-    # the embedded toy task (a tiny random policy learns to write vowels): offline, under a minute on 2 CPU cores
+    # the embedded toy task (a tiny random policy learns to write vowels): offline, a minute on 2 CPU cores
     accelerate launch rloo.py --rloo-k 4
-    python rloo.py --rloo-k 4                                        # the same, one process, no launcher
+    python rloo.py --rloo-k 4                          # the same, one process, no launcher
 
     # DeepSpeed ZeRO-3 on 8 GPUs (README.md has the full recipes), or on 2 CPU processes over gloo
-    accelerate launch --config_file ds_zero3.yaml rloo.py --sft-model-path MODEL --reward-model-path REWARD_MODEL ...
+    accelerate launch --config_file ds_zero3.yaml rloo.py --sft-model-path MODEL --reward-model-path RM ...
     accelerate launch --config_file ds_zero3.yaml --num_processes 2 --mixed_precision no rloo.py
 
-How to read it: `Args` (every flag: `python rloo.py --help`); the ALGO LOGIC helpers, each with its equation; the toy
-task; `train`, the loop, steps 1-10 in the algorithm's order. Skip the PLUMBING after it on a first read.
+How to read it: `Args` (every flag: `python rloo.py --help`); the ALGO LOGIC helpers, each with its
+equation; the toy task; `train`, the loop, steps 1-10 in the algorithm's order. Skip the PLUMBING after it
+on a first read.
 """
 
 import contextlib
@@ -42,33 +44,33 @@ from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs, gather_object, set_seed
 from tokenizers import Tokenizer, decoders, models
 from torch.nn.utils.rnn import pad_sequence
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GPTNeoXConfig
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 
 @dataclass
 class Args:
-    """Every flag (`--help`), with TRL's names and defaults: experiment, models and data, rollout, RLOO, optimization,
-    LoRA, held-out evaluation, checkpoints."""
+    """Every flag (`--help`), with TRL's names and defaults: experiment, models and data, rollout, RLOO,
+    optimization, LoRA, held-out evaluation, checkpoints."""
 
     exp_name: str = os.path.basename(__file__)[: -len(".py")]  # the name of this experiment
     run_name: Optional[str] = None  # a unique name for this run; None: `{exp_name}__{seed}__{unix time}`
     seed: int = 42  # seed of the run; rank r samples with seed + 100003 r
-    output_dir: Optional[str] = None  # where everything goes; None: `runs/{run_name}`, or the checkpoint's directory
+    output_dir: Optional[str] = None  # where everything goes; None: `runs/{run_name}`, or the checkpoint's
     report_to: Literal["none", "tensorboard", "wandb"] = "none"  # also log metrics to this tracker
     sft_model_path: Optional[str] = None  # the policy: a hub id or a local directory; None: the toy policy
-    reward_model_path: Optional[str] = None  # a sequence classifier with one label: a hub id or a local directory
+    reward_model_path: Optional[str] = None  # a sequence classifier with one label: a hub id or a directory
     reward_fn: Optional[list[str]] = None  # `module:function`s, called fn(prompts, completions, **columns)
-    reward_weights: Optional[list[float]] = None  # one per reward source, the reward model's first; None: 1.0 each
+    reward_weights: Optional[list[float]] = None  # one per source, the reward model's first; None: 1.0 each
     trust_remote_code: bool = False  # allow models and tokenizers with custom code
-    dataset_name: Optional[str] = None  # prompts: a hub dataset, a dataset directory or a .jsonl file; None: toy
+    dataset_name: Optional[str] = None  # prompts: a hub dataset, a directory or a .jsonl file; None: toy
     dataset_split: str = "train"  # the split of the dataset to train on
     dataset_text_field: str = "prompt"  # the field holding each prompt: text, or a list of chat messages
     max_prompt_length: int = 512  # prompts with more tokens than this are left out
     response_length: int = 53  # the most tokens sampled per completion
-    stop_token: Optional[Literal["eos"]] = None  # `eos`: stop a completion at the eos token (and cut after it)
+    stop_token: Optional[Literal["eos"]] = None  # `eos`: stop a completion at the eos token (cut after it)
     stop_token_id: Optional[int] = None  # stop a completion at this token id
     temperature: float = 0.7  # sampling temperature; log-probs are computed from logits divided by it too
-    missing_eos_penalty: Optional[float] = None  # subtracted from the scores of completions without the stop token
+    missing_eos_penalty: Optional[float] = None  # subtracted from the scores of completions not stopped
     local_rollout_forward_batch_size: int = 64  # completions per forward pass in generation and scoring
     rloo_k: int = 2  # completions sampled per prompt (the k of RLOO)
     kl_coef: float = 0.05  # weight of the KL penalty against the reference policy
@@ -86,15 +88,15 @@ class Args:
     learning_rate: Optional[float] = None  # AdamW's, decayed linearly to 0; None: 1e-3 for the toy, else 5e-5
     cliprange: float = 0.2  # the PPO clip range epsilon of the probability ratio
     max_grad_norm: float = 1.0  # clip the gradient norm to this before each optimizer step; 0: no clipping
-    cpu_threads: Optional[int] = None  # threads per process without CUDA; None: the cores shared by the processes
+    cpu_threads: Optional[int] = None  # threads per process on CPUs; None: the cores shared by the processes
     gradient_checkpointing: bool = False  # recompute activations in the backward pass to save memory
-    ds3_gather_for_generation: bool = True  # ZeRO-3: gather the weights once for generation, or sample sharded
-    num_sample_generations: int = 10  # print a table of prompts, completions and scores this many times
+    ds3_gather_for_generation: bool = True  # ZeRO-3: gather the weights once to sample, or sample sharded
+    num_sample_generations: int = 10  # print a table of a prompt, its completions and their scores this often
     use_peft: bool = False  # train LoRA adapters; the reference is the policy with its adapters off
     lora_r: int = 16  # the rank of each adapter
     lora_alpha: int = 32  # the adapters' scale is lora_alpha / lora_r
     lora_dropout: float = 0.05  # kept for TRL's config; unused: rloo.py turns every dropout off
-    lora_target_modules: Optional[list[str]] = None  # modules that get adapters; None: every linear layer but the head
+    lora_target_modules: Optional[list[str]] = None  # modules given adapters; None: every linear but the head
     lora_task_type: str = "CAUSAL_LM"  # peft's task type of the policy
     eval_steps: int = 0  # evaluate every this many updates and after the last; 0: never
     eval_dataset_name: Optional[str] = None  # held-out prompts, as --dataset-name; None: --dataset-name
@@ -103,17 +105,20 @@ class Args:
     eval_temperature: float = 0.0  # 0: greedy decoding; above 0: sampling, from a random stream of its own
     save_steps: int = 500  # write a checkpoint every this many updates (and at the end)
     save_total_limit: Optional[int] = None  # keep only the newest N checkpoints; None: keep all
-    resume_from_checkpoint: Optional[str] = None  # a checkpoint directory, or `latest` (the newest in output_dir)
+    resume_from_checkpoint: Optional[str] = None  # a checkpoint directory, or `latest` (newest in output_dir)
     overwrite_output_dir: bool = False  # start over in an output_dir that holds a run, deleting it
-    # set by resolve_args, not flags: world_size, local_batch_size, batch_size, local_dataloader_batch_size (B), ...
+    # set by resolve_args, not flags: world_size, local_batch_size, batch_size, local_dataloader_batch_size
+    # (B), num_total_batches
 
 
-class ArgumentError(SystemExit):  # bad input: a one-line message naming the flag, a non-zero exit, no traceback
+class ArgumentError(SystemExit):
+    """Bad input: a one-line message naming the flag, a non-zero exit, no traceback."""
+
     def __init__(self, message):
         super().__init__(f"rloo.py: error: {message}")
 
 
-# ================================================================================================================
+# ==================================================================================================
 # ALGO LOGIC: the math of RLOO, one small helper per equation
 
 
@@ -125,11 +130,16 @@ def first_true_indices(bools):
 
 
 def truncate_response(responses, stop_token_id, pad_token_id):
-    """Cut each response after its first stop token (kept) and fill the rest with pad: (responses, response_mask),
-    (N, T). The mask comes from positions, not from comparing ids with the pad id, so pad == eos works too."""
+    """Cut each response after its first stop token (kept) and fill the rest with pad: (responses,
+    response_mask), (N, T). The mask comes from positions, not from comparing ids with the pad id, so that
+    pad == eos works too."""
     T = responses.shape[1]
-    stops = responses == stop_token_id if stop_token_id is not None else torch.zeros_like(responses, dtype=torch.bool)
-    lengths = torch.clamp(first_true_indices(stops) + 1, max=T)  # T where a row has no stop token
+    if stop_token_id is None:
+        stops = torch.zeros_like(responses, dtype=torch.bool)
+    else:
+        stops = responses == stop_token_id
+    # T where a row has no stop token
+    lengths = torch.clamp(first_true_indices(stops) + 1, max=T)
     response_mask = torch.arange(T, device=responses.device)[None, :] < lengths[:, None]
     return torch.where(response_mask, responses, pad_token_id), response_mask
 
@@ -142,18 +152,26 @@ def all_reduce_sum(tensor):
     return tensor
 
 
+def masked_mean(values, mask):
+    """The mean of values over the True positions of mask (0 where there are none)."""
+    return torch.where(mask, values, 0.0).sum() / mask.sum().clamp(min=1)
+
+
 def global_mean_var(values, mask=None):
     """Mean and unbiased variance of values[mask] over every process, so that no statistic depends on how the
     global batch is split across ranks. Two passes (mean, then squared deviations), one all-reduce each."""
-    mask = torch.ones_like(values, dtype=torch.bool) if mask is None else mask
-    count, total = all_reduce_sum(torch.stack([mask.sum().to(values.dtype), torch.where(mask, values, 0.0).sum()]))
+    if mask is None:
+        mask = torch.ones_like(values, dtype=torch.bool)
+    sums = torch.stack([mask.sum().to(values.dtype), torch.where(mask, values, 0.0).sum()])
+    count, total = all_reduce_sum(sums)
     mean = total / count
     squared = all_reduce_sum(torch.where(mask, (values - mean) ** 2, 0.0).sum())
     return mean, squared / (count - 1).clamp(min=1)
 
 
 def whiten(values, mask=None, shift_mean=True):
-    """(values - mean) / std over the global batch; with shift_mean=False the mean is kept: unit variance only."""
+    """(values - mean) / std over the global batch; with shift_mean=False the mean is kept: unit variance
+    only."""
     mean, var = global_mean_var(values, mask)
     whitened = (values - mean) * torch.rsqrt(var + 1e-8)
     return whitened if shift_mean else whitened + mean
@@ -161,16 +179,18 @@ def whiten(values, mask=None, shift_mean=True):
 
 def rloo_advantages(rewards, rloo_k):
     """Leave-one-out advantages of rewards (k*B,) laid out k-major (row i*B + j is sample i of prompt j):
-    A_i = r_i - (sum_j r_j - r_i) / (k - 1), the sums over the k samples of the same prompt. The baseline leaves
-    the sample itself out, so it does not depend on that sample's action and the gradient estimate stays unbiased."""
+    A_i = r_i - (sum_j r_j - r_i) / (k - 1), the sums over the k samples of the same prompt. The baseline
+    leaves the sample itself out, so it does not depend on that sample's action and the gradient estimate
+    stays unbiased."""
     rewards = rewards.view(rloo_k, -1)  # (k, B)
     baseline = (rewards.sum(0, keepdim=True) - rewards) / (rloo_k - 1)
     return (rewards - baseline).flatten()  # (k*B,)
 
 
 def log_ratio(new_logprobs, old_logprobs, response_mask, sequence_level):
-    """log(pi_new / pi_old): per sequence, sum_t (logp_t - old_logp_t) over real tokens, (N,); or per token, (N, T).
-    Masked positions are zeroed with `where`, so whatever they hold (even inf or NaN) cannot leak in."""
+    """log(pi_new / pi_old): per sequence, sum_t (logp_t - old_logp_t) over real tokens, (N,); or per token,
+    (N, T). Masked positions are zeroed with `where`, so whatever they hold (even inf or NaN) cannot leak
+    in."""
     diff = torch.where(response_mask, new_logprobs - old_logprobs, 0.0)
     return diff.sum(1) if sequence_level else diff
 
@@ -184,19 +204,19 @@ def policy_loss(new_logprobs, old_logprobs, advantages, response_mask, cliprange
     ratio = torch.exp(log_ratio(new_logprobs, old_logprobs, response_mask, sequence_level))
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
-    losses, is_clipped = torch.max(unclipped, clipped), (clipped > unclipped).float()
+    losses = torch.max(unclipped, clipped)
+    is_clipped = (clipped > unclipped).float()
     if sequence_level:
         return losses.mean(), is_clipped.mean()
-    masked_mean = lambda values: torch.where(response_mask, values, 0.0).sum() / response_mask.sum().clamp(min=1)
-    return masked_mean(losses), masked_mean(is_clipped)
+    return masked_mean(losses, response_mask), masked_mean(is_clipped, response_mask)
 
 
 def token_level_advantages(scores, kl, response_mask, kl_coef, rloo_k, whiten_rewards=False):
-    """Token-mode advantages (N, T): A_t = LOO(score) - kl_coef * sum_{t' >= t} kl_t'. Each token pays its own KL and
-    those after it (its return-to-go), while the score gets the leave-one-out baseline. With whiten_rewards, the
-    per-token rewards r_t = -kl_coef * kl_t (+ score at the last token) are divided by their standard deviation over the
-    real tokens of the global batch, and not shifted (a shift would add a constant per token, which the KL-to-go sums
-    into a reward for length): the advantages times 1/std."""
+    """Token-mode advantages (N, T): A_t = LOO(score) - kl_coef * sum_{t' >= t} kl_t'. Each token pays its own
+    KL and those after it (its return-to-go), while the score gets the leave-one-out baseline.
+    With whiten_rewards, the per-token rewards r_t = -kl_coef * kl_t (+ score at the last token) are divided
+    by their standard deviation over the real tokens of the global batch, and not shifted (a shift would add
+    a constant per token, which the KL-to-go sums into a reward for length): the advantages times 1/std."""
     non_score = torch.where(response_mask, -kl_coef * kl, 0.0)  # (N, T)
     if whiten_rewards:
         last = response_mask.sum(1) - 1
@@ -204,71 +224,101 @@ def token_level_advantages(scores, kl, response_mask, kl_coef, rloo_k, whiten_re
         token_rewards[torch.arange(len(scores), device=scores.device), last] += scores
         _, var = global_mean_var(token_rewards, response_mask)
         scale = torch.rsqrt(var + 1e-8)
-        scores, non_score = scores * scale, non_score * scale
-    kl_to_go = non_score.flip(1).cumsum(1).flip(1)  # a reversed cumulative sum: the KL paid from token t to the end
+        scores = scores * scale
+        non_score = non_score * scale
+    # a reversed cumulative sum: the KL paid from token t to the end
+    kl_to_go = non_score.flip(1).cumsum(1).flip(1)
     return rloo_advantages(scores, rloo_k)[:, None] + kl_to_go
 
 
 def logprobs_from_logits(logits, tokens, temperature, with_entropy=False):
-    """log softmax(logits / temperature)[token] in float32, a few rows at a time (about 256 MB of float32 logits) so
-    that no (N, T, V) float32 copy of bf16 logits is made at once. With with_entropy, also the entropy of each
-    position's distribution (no grad)."""
-    logprobs, entropies, rows = [], [], max(1, 2**26 // logits[0].numel())
-    for chunk, chunk_tokens in zip(logits.split(rows), tokens.split(rows)):
+    """log softmax(logits / temperature)[token] in float32, a few rows at a time (about 256 MB of float32
+    logits) so that no (N, T, V) float32 copy of bf16 logits is made at once. With with_entropy, also the
+    entropy of each position's distribution (no grad)."""
+    rows_per_chunk = max(1, 2**26 // logits[0].numel())
+    logprobs = []
+    entropies = []
+    for chunk, chunk_tokens in zip(logits.split(rows_per_chunk), tokens.split(rows_per_chunk), strict=True):
         chunk = chunk.float() / temperature  # (rows, T, V)
         logsumexp = chunk.logsumexp(-1)
         logprobs.append(chunk.gather(-1, chunk_tokens[..., None]).squeeze(-1) - logsumexp)
         if with_entropy:
             with torch.no_grad():
                 entropies.append(logsumexp - (torch.softmax(chunk, -1) * chunk).sum(-1))
-    return torch.cat(logprobs), (torch.cat(entropies) if with_entropy else None)
+    if not with_entropy:
+        return torch.cat(logprobs), None
+    return torch.cat(logprobs), torch.cat(entropies)
 
 
 def forward_logprobs(model, queries, query_mask, responses, response_mask, temperature, with_entropy=False, k=1):
-    """Log-probs (N, T) of the responses under `model`; only the positions that predict them get logits. With k > 1
-    each prompt runs once (prompt_forward) and its k completions attend to its keys and values, as in one forward."""
+    """Log-probs (N, T) of the responses under `model`; only the positions that predict them get logits.
+    With k > 1 each prompt runs once (prompt_forward) and its k completions attend to its keys and values:
+    the same numbers as one forward per row."""
+    P = queries.shape[1]
+    T = responses.shape[1]
     mask = torch.cat([query_mask, response_mask.long()], 1)
-    position_ids, P, T = (mask.cumsum(1) - 1).clamp(min=0), queries.shape[1], responses.shape[1]
-    if k == 1:  # one forward over prompt + completion; left padding: positions count real tokens, as in generation
-        inputs = dict(input_ids=torch.cat([queries, responses], 1), attention_mask=mask, position_ids=position_ids)
-        logits = model(**inputs, logits_to_keep=T + 1, use_cache=False).logits[:, :-1]  # (N, T, V): p predicts p + 1
+    # left padding: positions count real tokens, as in generation
+    position_ids = (mask.cumsum(1) - 1).clamp(min=0)
+    if k == 1:
+        # one forward over prompt + completion; position p predicts the token at p + 1
+        input_ids = torch.cat([queries, responses], 1)
+        inputs = dict(input_ids=input_ids, attention_mask=mask, position_ids=position_ids)
+        output = model(**inputs, logits_to_keep=T + 1, use_cache=False)
+        logits = output.logits[:, :-1]  # (N, T, V)
     else:
         first, cache = prompt_forward(model, queries, query_mask, position_ids[:, :P], k)
-        inputs = dict(input_ids=responses[:, :-1], attention_mask=mask[:, :-1], position_ids=position_ids[:, P:-1])
-        rest = model(**inputs, cache=cache, use_cache=True).logits if T > 1 else first[:, :0]
-        logits = torch.cat([first, rest], 1)  # (N, T, V)
+        logits = first  # (N, 1, V): the prompt's last position predicts the first token
+        if T > 1:
+            # each completion but its last token, attending to the cache of its prompt
+            inputs = dict(
+                input_ids=responses[:, :-1],
+                attention_mask=mask[:, :-1],
+                position_ids=position_ids[:, P:-1],
+            )
+            rest = model(**inputs, cache=cache, use_cache=True).logits
+            logits = torch.cat([first, rest], 1)  # (N, T, V)
     return logprobs_from_logits(logits, responses, temperature, with_entropy)
 
 
 def prompt_forward(model, queries, query_mask, position_ids, k):
-    """Each of the N/k prompts once, for rows that are k copies of them (k-major): the logits of every row's last
-    position (N, 1, V), and a KV cache holding the prompts' keys and values, copied k times."""
+    """Each of the N/k prompts once, for rows that are k copies of them (k-major): the logits of every row's
+    last position (N, 1, V), and a KV cache holding the prompts' keys and values, copied k times."""
     B = len(queries) // k
     inputs = dict(input_ids=queries[:B], attention_mask=query_mask[:B], position_ids=position_ids[:B])
     output = model(**inputs, use_cache=True, logits_to_keep=1)
-    output.cache.reorder_cache(torch.arange(B, device=queries.device).repeat(k))  # (k = 1: unchanged)
+    # the cache of prompt j for rows j, B + j, 2B + j, ... (k = 1: unchanged)
+    output.cache.reorder_cache(torch.arange(B, device=queries.device).repeat(k))
     return output.logits.repeat(k, 1, 1), output.cache
 
 
 def prompt_chunks(n, k, size):
-    """Row indices of n rows (k copies of n/k prompts, k-major) in chunks of about `size`: whole prompts, k-major."""
-    B, step = n // k, max(1, size // k)
-    return [(torch.arange(s, min(s + step, B)) + B * torch.arange(k)[:, None]).flatten() for s in range(0, B, step)]
+    """Row indices of n rows (k copies of n/k prompts, k-major) in chunks of about `size`: whole prompts, each
+    chunk k-major too."""
+    B = n // k
+    prompts_per_chunk = max(1, size // k)
+    chunks = []
+    for start in range(0, B, prompts_per_chunk):
+        prompts = torch.arange(start, min(start + prompts_per_chunk, B))
+        chunks.append((prompts + B * torch.arange(k)[:, None]).flatten())
+    return chunks
 
 
 def batched_logprobs(model, queries, query_mask, responses, response_mask, temperature, size, k=1):
-    """forward_logprobs over chunks of about `size` completions (whole prompts with their k copies): (N, T)."""
+    """forward_logprobs over chunks of about `size` completions (whole prompts with their k copies):
+    (N, T)."""
     logprobs = torch.empty(responses.shape, device=responses.device)
     for rows in prompt_chunks(len(queries), k, size):
-        sequences = (queries[rows], query_mask[rows], responses[rows], response_mask[rows])
-        logprobs[rows] = forward_logprobs(model, *sequences, temperature, k=k)[0]
+        chunk_logprobs, _ = forward_logprobs(
+            model, queries[rows], query_mask[rows], responses[rows], response_mask[rows], temperature, k=k
+        )
+        logprobs[rows] = chunk_logprobs
     return logprobs
 
 
 def float32_head(linear):
-    """Make a head (the unembedding, a reward model's `score`) compute in float32 from its bf16 inputs and weights:
-    under bf16 autocast or DeepSpeed's bf16 it would round its outputs to bf16 (steps of 0.06 near a logit of 10)
-    before any of the float32 math of log-probs, ratios and rewards."""
+    """Make a head (the unembedding, a reward model's `score`) compute in float32 from its bf16 inputs and
+    weights: under bf16 autocast or DeepSpeed's bf16 it would round its outputs to bf16 (steps of 0.06 near a
+    logit of 10) before any of the float32 math of log-probs, ratios and rewards."""
 
     def forward(hidden):
         bias = None if linear.bias is None else linear.bias.float()
@@ -279,66 +329,100 @@ def float32_head(linear):
 
 
 def get_reward(reward_model, input_ids, attention_mask, last_index):
-    """The reward model's value (N,) for each sequence. A decoder classifier (a `score` head) is read at last_index:
-    its backbone's hidden state there, through the head (its own pooling looks for the pad id, which may be eos).
-    An encoder (BERT, RoBERTa, DeBERTa...) pools its first token in its own forward."""
+    """The reward model's value (N,) for each sequence. A decoder classifier (a `score` head) is read at
+    last_index: its backbone's hidden state there, through the head (its own pooling looks for the pad id,
+    which may be eos). An encoder (BERT, RoBERTa, DeBERTa...) pools its first token in its own forward."""
     if not hasattr(reward_model, "score"):
         return reward_model(input_ids=input_ids, attention_mask=attention_mask).logits[:, 0].float()
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
     backbone = getattr(reward_model, reward_model.base_model_prefix)
     hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
     rows = torch.arange(len(input_ids), device=input_ids.device)
-    return reward_model.score(hidden.last_hidden_state[rows, last_index.to(rows.device)]).squeeze(-1).float()
+    last_hidden = hidden.last_hidden_state[rows, last_index.to(rows.device)]
+    return reward_model.score(last_hidden).squeeze(-1).float()
+
+
+def sample_tokens(logits, temperature, generator=None):
+    """One token per row of logits (N, V), drawn from softmax(logits / temperature): the same distribution as
+    torch.multinomial(softmax(logits / temperature), 1), though not the same draws for a seed. Temperature 0
+    is greedy decoding. A row holding NaN (a diverged policy, or a vanishing temperature) gives the last id;
+    the non-finite guard then skips the update.
+    Speed: inverse-CDF sampling, one uniform number per row located in the cumulative probabilities, where
+    torch.multinomial is slow over a large vocabulary."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    cdf = torch.softmax(logits / temperature, dim=-1).cumsum(-1)  # (N, V)
+    uniform = torch.rand(len(cdf), 1, device=cdf.device, generator=generator) * cdf[:, -1:]
+    sampled = torch.searchsorted(cdf, uniform, right=True).squeeze(1)
+    return sampled.clamp(max=cdf.shape[1] - 1)
 
 
 @torch.no_grad()
 def generate(model, queries, query_mask, length, temperature, stop_token_id, pad_token_id, synced, generator=None, k=1):
-    """Sample up to `length` tokens per row with a KV cache: softmax(logits / temperature), no top-k or top-p;
-    temperature 0 is greedy decoding. Rows that produced the stop token get pad afterwards; sampling ends once every
-    row has stopped (on every rank when `synced`: a ZeRO-3 sharded model needs all ranks in each forward)."""
+    """Sample up to `length` tokens per row with a KV cache (sample_tokens: no top-k or top-p). Rows that
+    produced the stop token get pad afterwards; sampling ends once every row has stopped (on every rank when
+    `synced`: a ZeRO-3 sharded model needs all ranks in each forward)."""
     position_ids = (query_mask.cumsum(1) - 1).clamp(min=0)
+    prompt_end = position_ids[:, -1:]  # (N, 1)
     logits, cache = prompt_forward(model, queries, query_mask, position_ids, k)
-    attention_mask, prompt_end, logits = query_mask, position_ids[:, -1:], logits[:, -1].float()  # (N, V)
-    done, tokens = torch.zeros(len(queries), dtype=torch.bool, device=queries.device), []
+    logits = logits[:, -1].float()  # (N, V)
+    attention_mask = query_mask
+    done = torch.zeros(len(queries), dtype=torch.bool, device=queries.device)
+    tokens = []
     for step in range(length):
-        if step:  # the token just sampled, at the next position, attending to the cache of everything before it
+        if step > 0:
+            # the token just sampled, at the next position, attending to the cache of everything before it
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(queries), 1)], 1)
-            inputs = dict(input_ids=tokens[-1][:, None], attention_mask=attention_mask, position_ids=prompt_end + step)
-            logits = model(**inputs, cache=cache, use_cache=True).logits[:, -1].float()  # (N, V); the cache grows
-        if temperature == 0:
-            sampled = logits.argmax(-1)
-        else:  # inverse-CDF sampling, one uniform number per row (torch.multinomial is slow over a large vocabulary)
-            cdf = torch.softmax(logits / temperature, dim=-1).cumsum(-1)  # (N, V)
-            uniform = torch.rand(len(cdf), 1, device=cdf.device, generator=generator) * cdf[:, -1:]
-            # a diverged policy (or a vanishing temperature) gives NaN: the last id; the guard skips the update
-            sampled = torch.searchsorted(cdf, uniform, right=True).squeeze(1).clamp(max=cdf.shape[1] - 1)
+            inputs = dict(
+                input_ids=tokens[-1][:, None],
+                attention_mask=attention_mask,
+                position_ids=prompt_end + step,
+            )
+            logits = model(**inputs, cache=cache, use_cache=True).logits[:, -1].float()  # (N, V)
+        sampled = sample_tokens(logits, temperature, generator)
         tokens.append(torch.where(done, pad_token_id, sampled))
         if stop_token_id is not None:
             done = done | (tokens[-1] == stop_token_id)
-            running = (~done).sum()  # one host sync per token, as in HF generate
-            if (all_reduce_sum(running) if synced else running).item() == 0:
+            # one host sync per token, as in HF generate
+            running = all_reduce_sum((~done).sum()) if synced else (~done).sum()
+            if running.item() == 0:
                 break
     return torch.stack(tokens, 1)  # (N, t <= length)
 
 
 def rollout(run, queries, query_mask, temperature, generator=None, k=1):
-    """Steps 1-2: sample a completion (N, T) for every query row (k copies of each prompt, k-major), cut after its stop
-    token, and its mask; about local_rollout_forward_batch_size rows per call; no column where every one had stopped."""
-    length, stop, pad = run.args.response_length, run.args.stop_token_id, run.tokenizer.pad_token_id
-    responses = torch.full((len(queries), length), pad, device=queries.device)
-    fp32 = run.accelerator.mixed_precision == "no"  # not sharded, no autocast: packed float32 weights (CPU only)
-    with generation_context(run) as (model, synced), packed_linears(model, fp32 and not synced):
-        for rows in prompt_chunks(len(queries), k, run.args.local_rollout_forward_batch_size):
-            sample = (length, temperature, stop, pad, synced, generator, k)
-            tokens = generate(model, queries[rows], query_mask[rows], *sample)
+    """Steps 1-2: sample a completion (N, T) for every query row (k copies of each prompt, k-major), cut after
+    its stop token, and its mask; about local_rollout_forward_batch_size rows per call; no column where every
+    completion had stopped."""
+    args = run.args
+    pad = run.tokenizer.pad_token_id
+    responses = torch.full((len(queries), args.response_length), pad, device=queries.device)
+    # speed: packed float32 weights on the CPU, when not sharded and without autocast
+    packed = run.accelerator.mixed_precision == "no"
+    with generation_context(run) as (model, synced), packed_linears(model, packed and not synced):
+        for rows in prompt_chunks(len(queries), k, args.local_rollout_forward_batch_size):
+            tokens = generate(
+                model,
+                queries[rows],
+                query_mask[rows],
+                args.response_length,
+                temperature,
+                stop_token_id=args.stop_token_id,
+                pad_token_id=pad,
+                synced=synced,
+                generator=generator,
+                k=k,
+            )
             responses[rows, : tokens.shape[1]] = tokens
-    responses, response_mask = truncate_response(responses, stop, pad)
+    responses, response_mask = truncate_response(responses, args.stop_token_id, pad)
     T = int(response_mask.sum(1).max())
     return responses[:, :T], response_mask[:, :T]
 
 
 @dataclass
-class RewardSource:  # one term of the score: a reward function, or a reward model (own tokenizer: it re-encodes)
+class RewardSource:
+    """One term of the score: a reward function, or a reward model (with its own tokenizer: it re-encodes)."""
+
     name: str  # for the metric rewards/<name>
     flag: str  # for error messages: `--reward-fn module:function` or `--reward-model-path PATH`
     weight: float = 1.0
@@ -349,12 +433,15 @@ class RewardSource:  # one term of the score: a reward function, or a reward mod
 
 @torch.no_grad()
 def score_completions(run, rows, queries, query_mask, responses, response_mask):
-    """Steps 4-5: score = sum_s weight_s * reward_s for each completion, minus missing_eos_penalty for completions that
-    never produced the stop token; and each source's rewards by name. A reward model reads the policy's token ids when
-    it shares their vocabulary, else prompt + completion rendered by its own tokenizer (render_for_reward)."""
-    args, device = run.args, responses.device
+    """Steps 4-5: score = sum_s weight_s * reward_s for each completion, minus missing_eos_penalty for the
+    completions that never produced the stop token; and each source's rewards by name. A reward model reads
+    the policy's token ids when it shares their vocabulary, else prompt + completion rendered by its own
+    tokenizer (render_for_reward)."""
+    args = run.args
+    device = responses.device
     completions = run.tokenizer.batch_decode(responses, skip_special_tokens=True)
-    stopped = ((responses == args.stop_token_id) & response_mask).any(1)  # (N,) (all False without a stop token)
+    # (N,) all False without a stop token
+    stopped = ((responses == args.stop_token_id) & response_mask).any(1)
     rewards = {}
     for source in run.reward_sources:
         if source.fn is not None:
@@ -362,17 +449,24 @@ def score_completions(run, rows, queries, query_mask, responses, response_mask):
             rewards[source.name] = torch.tensor(values, dtype=torch.float, device=device)
             continue
         model = run.accelerator.unwrap_model(source.model)
-        ids, mask = torch.cat([queries, responses], 1), torch.cat([query_mask, response_mask.long()], 1)
+        input_ids = torch.cat([queries, responses], 1)
+        attention_mask = torch.cat([query_mask, response_mask.long()], 1)
         last_index = queries.shape[1] + response_mask.sum(1) - 1  # the last real token
-        if source.tokenizer is not None:  # re-encoded: left-padded for a decoder, so that the last token is last
-            texts = zip([row[args.dataset_text_field] for row in rows], completions, stopped.tolist())
-            encoded = [render_for_reward(source.tokenizer, *text) for text in texts]
-            ids, mask = pad_batch(encoded, source.tokenizer.pad_token_id, left=hasattr(model, "score"), device=device)
-            last_index = torch.full((len(ids),), ids.shape[1] - 1, device=device)
-        chunk = args.local_rollout_forward_batch_size
+        if source.tokenizer is not None:
+            # re-encoded: left-padded for a decoder, so that the last token is last
+            prompts = [row[args.dataset_text_field] for row in rows]
+            texts = zip(prompts, completions, stopped.tolist(), strict=True)
+            encoded = [render_for_reward(source.tokenizer, p, c, stop) for p, c, stop in texts]
+            pad = source.tokenizer.pad_token_id
+            input_ids, attention_mask = pad_batch(encoded, pad, left=hasattr(model, "score"), device=device)
+            last_index = torch.full((len(input_ids),), input_ids.shape[1] - 1, device=device)
+        values = []
+        size = args.local_rollout_forward_batch_size
         with run.accelerator.autocast():
-            chunks = zip(ids.split(chunk), mask.split(chunk), last_index.split(chunk))
-            rewards[source.name] = torch.cat([get_reward(model, *inputs) for inputs in chunks])
+            for start in range(0, len(input_ids), size):
+                chunk = slice(start, start + size)
+                values.append(get_reward(model, input_ids[chunk], attention_mask[chunk], last_index[chunk]))
+        rewards[source.name] = torch.cat(values)
     scores = sum(source.weight * rewards[source.name] for source in run.reward_sources)
     if args.missing_eos_penalty is not None:  # resolve_args made sure a stop token is set
         scores = scores - args.missing_eos_penalty * (~stopped).float()
@@ -380,11 +474,13 @@ def score_completions(run, rows, queries, query_mask, responses, response_mask):
 
 
 def call_reward_fn(source, rows, completions, text_field):
-    """fn(prompts, completions, **columns): the prompts as the dataset holds them (text, or chat messages), and as
-    keyword lists aligned with the completions the dataset's other columns that fn names (all, to a **kwargs)."""
+    """fn(prompts, completions, **columns): the prompts as the dataset holds them (text, or chat messages),
+    and as keyword lists aligned with the completions the dataset's other columns that fn names (all of them,
+    to a **kwargs)."""
     parameters = inspect.signature(source.fn).parameters.values()
     takes_all = any(p.kind == p.VAR_KEYWORD for p in parameters)
-    names = [name for name in rows[0] if name != text_field and (takes_all or name in {p.name for p in parameters})]
+    named = {p.name for p in parameters}
+    names = [name for name in rows[0] if name != text_field and (takes_all or name in named)]
     columns = {name: [row.get(name) for row in rows] for name in names}
     scores = source.fn([row[text_field] for row in rows], completions, **columns)
     if not hasattr(scores, "__len__") or len(scores) != len(completions):
@@ -393,33 +489,40 @@ def call_reward_fn(source, rows, completions, text_field):
 
 
 def render_for_reward(tokenizer, prompt, completion, stopped):
-    """prompt + completion as a reward model's own tokenizer writes them: its special tokens (a BOS, or [CLS] ...
-    [SEP]), a chat prompt through its chat template with the completion as the assistant's turn, and its eos after
-    a completion that stopped, since reward models trained on TRL-style data are read at that eos."""
+    """prompt + completion as a reward model's own tokenizer writes them: its special tokens (a BOS, or
+    [CLS] ... [SEP]), a chat prompt through its chat template with the completion as the assistant's turn,
+    and its eos after a completion that stopped, since reward models trained on TRL-style data are read at
+    that eos."""
     if isinstance(prompt, list):
         messages = prompt + [{"role": "assistant", "content": completion}]
         return tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
-    ids, eos = tokenizer(prompt + completion)["input_ids"], tokenizer.eos_token_id
-    return ids + [eos] if stopped and eos is not None and ids[-1] != eos else ids
+    ids = tokenizer(prompt + completion)["input_ids"]
+    eos = tokenizer.eos_token_id
+    if stopped and eos is not None and ids[-1] != eos:
+        return ids + [eos]
+    return ids
 
 
 def pad_batch(sequences, pad_token_id, left=True, device=None):
-    """Token lists -> (input_ids, attention_mask), padded to the longest: on the left, as generation wants, or on
-    the right, as an encoder wants (its positions count from its first token)."""
-    rows, side = [torch.tensor(s, dtype=torch.long, device=device) for s in sequences], "left" if left else "right"
-    input_ids = pad_sequence(rows, batch_first=True, padding_value=pad_token_id or 0, padding_side=side)
-    return input_ids, pad_sequence([torch.ones_like(row) for row in rows], batch_first=True, padding_side=side)
+    """Token lists -> (input_ids, attention_mask), padded to the longest: on the left, as generation wants, or
+    on the right, as an encoder wants (its positions count from its first token)."""
+    tensors = [torch.tensor(s, dtype=torch.long, device=device) for s in sequences]
+    side = "left" if left else "right"
+    input_ids = pad_sequence(tensors, batch_first=True, padding_value=pad_token_id or 0, padding_side=side)
+    ones = [torch.ones_like(tensor) for tensor in tensors]
+    return input_ids, pad_sequence(ones, batch_first=True, padding_side=side)
 
 
-# ================================================================================================================
+# ==================================================================================================
 # the embedded toy task: nothing to download
 
 
 def toy_tokenizer():
-    """A character-level tokenizer built in memory: printable ASCII and newline, one token each, plus pad, eos and
-    unk. Every completion decodes to readable text and encodes back to the same tokens."""
+    """A character-level tokenizer built in memory: printable ASCII and newline, one token each, plus pad, eos
+    and unk. Every completion decodes to readable text and encodes back to the same tokens."""
     tokens = [chr(c) for c in range(32, 127)] + ["\n", "<|pad|>", "<|endoftext|>", "<|unk|>"]
-    tokenizer = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[], unk_token="<|unk|>"))
+    vocab = {token: i for i, token in enumerate(tokens)}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<|unk|>"))
     tokenizer.decoder = decoders.Fuse()  # no merges: one token per character
     special = dict(pad_token="<|pad|>", eos_token="<|endoftext|>", unk_token="<|unk|>")
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, padding_side="left", **special)
@@ -427,151 +530,254 @@ def toy_tokenizer():
 
 def toy_policy(tokenizer, seed, hidden_size=64, intermediate_size=256):
     """A small GPT-NeoX (the Pythia architecture) with random weights: 2 layers, 4 heads."""
-    eos = tokenizer.eos_token_id
-    ids = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=eos, bos_token_id=eos)
-    sizes = dict(hidden_size=hidden_size, intermediate_size=intermediate_size, num_attention_heads=4)
-    config = GPTNeoXConfig(vocab_size=len(tokenizer), max_position_embeddings=512, num_hidden_layers=2, **sizes, **ids)
+    config = transformers.GPTNeoXConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=512,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.eos_token_id,
+    )
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config)
 
 
 def toy_prompts():
     """256 short prompts: 16 openings x 16 subjects."""
-    openings = "Say something about|Describe|Write a line on|Tell me of|A word on|Sing of|Think about|Remember|"
-    openings += "Imagine|Praise|Name|Dream of|Talk about|Draw|Explain|Recall"
-    subjects = "the sea|a cat|the moon|old trees|rain|a city|bread|the wind|snow|a river|music|stars|a garden|fire|"
-    subjects += "the road|winter"
+    openings = "Say something about|Describe|Write a line on|Tell me of|A word on|Sing of|Think about|"
+    openings += "Remember|Imagine|Praise|Name|Dream of|Talk about|Draw|Explain|Recall"
+    subjects = "the sea|a cat|the moon|old trees|rain|a city|bread|the wind|snow|a river|music|stars|"
+    subjects += "a garden|fire|the road|winter"
     return [f"{opening} {subject}:" for opening in openings.split("|") for subject in subjects.split("|")]
 
 
 def toy_reward(prompts, completions, response_length=53):
-    """The toy task's reward: 10 x (lowercase vowels in the completion) / response_length (fixed: stopping early does
-    not pay), in [0, 10]. A random policy over the toy's 99 tokens scores about 10 x 5/99 = 0.5."""
+    """The toy task's reward: 10 x (lowercase vowels in the completion) / response_length (fixed: stopping
+    early does not pay), in [0, 10]. A random policy over the toy's 99 tokens scores about 10 x 5/99 = 0.5."""
     return [10.0 * sum(c in "aeiou" for c in completion) / response_length for completion in completions]
 
 
-# ================================================================================================================
+# ==================================================================================================
 # the loop
 
 
 def main(args: Args):
     try:
-        run = setup(args)  # flags, tokenizer, prompts, rewards, output dir, models, accelerator, optimizer, resume
+        # flags, tokenizer, prompts, rewards, output dir, accelerator, models, optimizer, resume
+        run = setup(args)
         train(run)
         save_final_model(run)
     finally:
-        for lock in LOCKS:  # the output directory's lock, which a process that ends releases anyway
+        # the output directory's lock, which a process that ends releases anyway
+        for lock in LOCKS:
             lock.close()
 
 
 def train(run):
     """RLOO, one iteration per update: steps 1-10 in the algorithm's order. Shapes: B prompts per process,
     k = rloo_k completions each, P prompt tokens (left-padded), T response tokens."""
-    args, accelerator, policy, tokenizer = run.args, run.accelerator, run.policy, run.tokenizer
-    device, micro, k = accelerator.device, args.per_device_train_batch_size, args.rloo_k
-    # one micro-batch of all completions: a prompt runs once for its k copies (gradient checkpointing keeps no cache);
-    # with one epoch too, the training forward's own log-probs, detached, are the "old" ones: one forward fewer
-    shared = k if micro == args.local_batch_size and not args.gradient_checkpointing else 1
+    args = run.args
+    accelerator = run.accelerator
+    policy = run.policy
+    tokenizer = run.tokenizer
+    device = accelerator.device
+    k = args.rloo_k
+    B = args.local_dataloader_batch_size
+    micro = args.per_device_train_batch_size
+    # SPEED, prompt once: when one micro-batch holds all k*B completions, every forward of the policy and the
+    # reference runs each prompt once, and its k completions attend to that prompt's keys and values. The
+    # numbers are those of one forward per row (test_prompt_once_forward_is_a_plain_forward). Gradient
+    # checkpointing keeps no cache: then each row runs its own prompt.
+    rows_per_prompt = k if micro == args.local_batch_size and not args.gradient_checkpointing else 1
+    # SPEED, one pass: with one micro-batch and one epoch, step 9 trains on step 3's forward, whose log-probs,
+    # detached, are the "old" ones: one forward fewer, the same update as two forwards
+    # (test_one_forward_fewer_is_the_same_update_as_two_micro_batches)
     one_pass = micro == args.local_batch_size and args.num_ppo_epochs == 1
     for update in range(run.start_update, args.num_total_batches):
-        lr = args.learning_rate * (1.0 - update / args.num_total_batches)  # linear decay to 0 over the run
+        # the learning rate decays linearly to 0 over the run
+        lr = args.learning_rate * (1.0 - update / args.num_total_batches)
         for group in run.optimizer.param_groups:
             group["lr"] = lr
 
-        # ---- data: this rank's B prompts, repeated k times k-major (row i*B + j is sample i of prompt j)
-        batch = batch_indices(args, len(run.prompts), update, accelerator.process_index)  # (B,) dataset rows
-        queries, query_mask = pad_batch([run.prompts[i] for i in batch] * k, tokenizer.pad_token_id, device=device)
-        rows, t0 = [run.rows[i] for i in batch] * k, now(device)  # the dataset's rows, k-major
+        # ---- data: this rank's B prompts, repeated k times, k-major (row i*B + j is sample i of prompt j)
+        batch = batch_indices(args, len(run.prompts), update, accelerator.process_index)  # (B,)
+        prompt_ids = [run.prompts[i] for i in batch] * k
+        queries, query_mask = pad_batch(prompt_ids, tokenizer.pad_token_id, device=device)  # (k*B, P)
+        dataset_rows = [run.rows[i] for i in batch] * k  # every column, for the reward functions
+        t0 = now(device)
 
-        # ---- 1. rollout: sample k completions per prompt (which runs once), and 2. cut each after its stop token
+        # ---- 1. rollout: k completions per prompt, and 2. each cut after its stop token
         responses, response_mask = rollout(run, queries, query_mask, args.temperature, k=k)  # (k*B, T)
         t1 = now(device)
 
-        # ---- 3. log-probs under the policy (the update's "old" log-probs) and under the reference, both in
-        # micro-batches of the training forward's size: the same shapes run the same kernels (on GPUs too), so with one
-        # epoch the first ratio is 1, and before the first step the KL is 0
-        sequences, temperature, trained = (queries, query_mask, responses, response_mask), args.temperature, ()
-        policy.train()  # no dropout anyway (setup turns it off); train() lets gradient checkpointing work
-        if one_pass:  # step 9's own forward, its graph kept for the backward; its log-probs, detached, are the old ones
-            trained = forward_logprobs(policy, *sequences, temperature, True, shared)
-            old_logprobs = trained[0].detach()  # (k*B, T)
-        with torch.no_grad():
-            if not one_pass:
-                old_logprobs = batched_logprobs(policy, *sequences, temperature, micro, shared)  # (k*B, T)
-            with accelerator.autocast(), reference_model(run) as ref_policy:  # LoRA: the policy, adapters off
-                ref_logprobs = batched_logprobs(ref_policy, *sequences, temperature, micro, shared)
-        # ---- 4. the score: the weighted reward sources; 5. minus missing_eos_penalty without the stop token
-        scores, source_rewards = score_completions(run, rows, *sequences)  # (k*B,), each source's (k*B,)
+        # ---- 3. log-probs of the sampled tokens under the policy (the update's "old" log-probs) and under
+        # the reference, both in micro-batches of the training forward's size: the same shapes run the same
+        # kernels (on GPUs too), so with one epoch the first ratio is exactly 1, and at first the KL is 0
+        policy.train()  # no dropout (setup turned it off); train() lets gradient checkpointing work
+        if one_pass:
+            # step 9's forward, its graph kept for the backward
+            new_logprobs, entropy = forward_logprobs(
+                policy,
+                queries,
+                query_mask,
+                responses,
+                response_mask,
+                args.temperature,
+                with_entropy=True,
+                k=rows_per_prompt,
+            )
+            old_logprobs = new_logprobs.detach()  # (k*B, T)
+        else:
+            with torch.no_grad():
+                old_logprobs = batched_logprobs(
+                    policy,
+                    queries,
+                    query_mask,
+                    responses,
+                    response_mask,
+                    args.temperature,
+                    micro,
+                    k=rows_per_prompt,
+                )
+        # with LoRA the reference is the policy itself, its adapters off
+        with torch.no_grad(), accelerator.autocast(), reference_model(run) as ref_policy:
+            ref_logprobs = batched_logprobs(
+                ref_policy,
+                queries,
+                query_mask,
+                responses,
+                response_mask,
+                args.temperature,
+                micro,
+                k=rows_per_prompt,
+            )
+
+        # ---- 4. the score: the weighted reward sources; 5. minus missing_eos_penalty if it never stopped
+        scores, source_rewards = score_completions(
+            run,
+            dataset_rows,
+            queries,
+            query_mask,
+            responses,
+            response_mask,
+        )
         raw_scores = scores  # what objective/scores logs: before normalization and clipping
         t2 = now(device)
 
         # ---- 6. normalize (optional, over the global batch) and always clip to [-c, c]
         if args.normalize_reward:
             scores = whiten(scores)
-        clipped = (scores.abs() > args.reward_clip_range).sum()  # objective/scores_clipped_frac
+        clipped = (scores.abs() > args.reward_clip_range).sum()  # for objective/scores_clipped_frac
         scores = scores.clamp(-args.reward_clip_range, args.reward_clip_range)
 
-        # ---- 7. KL to the reference, per token, and 8. the leave-one-out advantages
+        # ---- 7. the KL to the reference, per token; a completion's reward r: its score minus its KL penalty
         kl = torch.where(response_mask, old_logprobs - ref_logprobs, 0.0)  # (k*B, T)
         sequence_kl = kl.sum(1)  # (k*B,)
+        rewards = scores - args.kl_coef * sequence_kl  # (k*B,)
+
+        # ---- 8. the leave-one-out advantages
         if args.token_level_kl:
-            advantages = token_level_advantages(scores, kl, response_mask, args.kl_coef, k, args.whiten_rewards)
+            # each token pays its own KL and those after it; the score gets the leave-one-out baseline
+            advantages = token_level_advantages(
+                scores, kl, response_mask, args.kl_coef, k, whiten_rewards=args.whiten_rewards
+            )
             if args.normalize_advantage:
                 advantages = torch.where(response_mask, whiten(advantages, response_mask), 0.0)  # (k*B, T)
         else:
-            rewards = scores - args.kl_coef * sequence_kl  # the KL penalty is part of the sequence's reward
-            if args.whiten_rewards:
-                rewards = whiten(rewards, shift_mean=False)
-            advantages = rloo_advantages(rewards, k)  # (k*B,)
+            # --whiten-rewards: the rewards at unit variance, their mean kept
+            loo_rewards = whiten(rewards, shift_mean=False) if args.whiten_rewards else rewards
+            advantages = rloo_advantages(loo_rewards, k)  # (k*B,)
             if args.normalize_advantage:
                 advantages = whiten(advantages)
 
-        # ---- non-finite guard: a NaN or inf anywhere in the rollout (a score before clipping, which would make an inf
-        # finite; an advantage; a log-prob) skips this update on every rank
+        # ---- the non-finite guard: a NaN or inf anywhere in the rollout (a score before clipping, which
+        # would make an inf finite; an advantage; a log-prob) skips this update on every rank
         logprobs = torch.where(response_mask, old_logprobs + ref_logprobs, 0.0)  # non-finite if either one is
-        bad = torch.stack([~torch.isfinite(values).all() for values in (raw_scores, advantages, logprobs)]).any()
-        finite = not all_reduce_sum(bad.float()).item()
-        run.skipped_steps += not finite  # and 3 skipped updates in a row stop the run (end_of_update)
-        run.consecutive_skips = 0 if finite else run.consecutive_skips + 1
+        checked = (raw_scores, advantages, logprobs)
+        bad = torch.stack([~torch.isfinite(values).all() for values in checked]).any()
+        finite = all_reduce_sum(bad.float()).item() == 0
+        # 3 skipped updates in a row stop the run (end_of_update)
+        if finite:
+            run.consecutive_skips = 0
+        else:
+            run.skipped_steps += 1
+            run.consecutive_skips += 1
 
         # ---- 9. the update: num_ppo_epochs passes, each over num_mini_batches shuffled mini-batches of
         # gradient_accumulation_steps micro-batches, one optimizer step per mini-batch
         stats = dict.fromkeys(STAT_NAMES, 0.0)  # sums for the metrics, reduced over every rank in step 10
-        for _ in range(args.num_ppo_epochs if finite else 0):  # no epochs at all when the guard skips the update
-            order = torch.randperm(args.local_batch_size, device=device)  # drawn even when shared: alike random streams
-            permutation = order if micro < len(order) else order.sort().values  # one micro-batch: in its order
-            for start in range(0, len(order), micro):  # micro-batches; mini-batches are consecutive runs of them
-                micro_batch = permutation[start : start + micro]
-                inputs = [tensor[micro_batch] for tensor in (queries, query_mask, responses, response_mask)]
-                old, mask = old_logprobs[micro_batch], response_mask[micro_batch]
+        epochs = args.num_ppo_epochs if finite else 0  # no epochs at all when the guard skips the update
+        for _ in range(epochs):
+            # drawn even in one pass, so that the random streams stay those of the other paths
+            order = torch.randperm(args.local_batch_size, device=device)
+            if micro == len(order):  # one micro-batch: in its own order
+                order = order.sort().values
+            # micro-batches; a mini-batch is gradient_accumulation_steps consecutive ones
+            for start in range(0, len(order), micro):
+                micro_batch = order[start : start + micro]
+                mb_old_logprobs = old_logprobs[micro_batch]
+                mb_response_mask = response_mask[micro_batch]
                 with accelerator.accumulate(policy):
-                    new_logprobs, entropy = trained or forward_logprobs(policy, *inputs, temperature, True, shared)
-                    loss, clipfrac = policy_loss(new_logprobs, old, advantages[micro_batch], mask, args.cliprange)
-                    accelerator.backward(loss)  # under DeepSpeed this also clips and steps at the boundary
-                    optimizer_step(run)  # at the mini-batch's last micro-batch only
-                add_stats(stats, loss, clipfrac, new_logprobs, old, entropy, mask, args.token_level_kl)
+                    if not one_pass:
+                        new_logprobs, entropy = forward_logprobs(
+                            policy,
+                            queries[micro_batch],
+                            query_mask[micro_batch],
+                            responses[micro_batch],
+                            mb_response_mask,
+                            args.temperature,
+                            with_entropy=True,
+                            k=rows_per_prompt,
+                        )
+                    mb_advantages = advantages[micro_batch]
+                    loss, clipfrac = policy_loss(
+                        new_logprobs, mb_old_logprobs, mb_advantages, mb_response_mask, args.cliprange
+                    )
+                    accelerator.backward(loss)
+                    # at a mini-batch's last micro-batch: clip, and step unless the gradient is not finite
+                    # (DeepSpeed does both inside backward)
+                    optimizer_step(run)
+                add_stats(
+                    stats,
+                    loss,
+                    clipfrac,
+                    new_logprobs,
+                    mb_old_logprobs,
+                    entropy,
+                    mb_response_mask,
+                    args.token_level_kl,
+                )
         t3 = now(device)
 
-        # ---- 10. metrics (TRL's names), over real response tokens only, summed over every rank in one all-reduce
+        # ---- 10. metrics (TRL's names), over real response tokens only, summed over every rank in one
+        # all-reduce
         grouped = raw_scores.view(k, -1)  # (k, B)
-        stats |= {
-            "kl": sequence_kl.sum(),
-            "neglogp": (-old_logprobs[response_mask]).sum(),
-            "scores": raw_scores.sum(),
-            "rlhf": (scores - args.kl_coef * sequence_kl).sum(),
-            "generated": response_mask.sum(),
-            "eos": ((responses == tokenizer.eos_token_id) & response_mask).sum(),
-            "zero_std": (grouped == grouped[0]).all(0).sum(),  # prompts whose k scores are all equal
-            "clipped": clipped,
-            **{f"rewards/{name}": values.sum() for name, values in source_rewards.items()},  # before weighting
-        }
-        samples = (queries[:4], responses[:4], raw_scores[:4])  # for the sample tables
+        stats["kl"] = sequence_kl.sum()
+        stats["neglogp"] = (-old_logprobs[response_mask]).sum()
+        stats["scores"] = raw_scores.sum()
+        stats["rlhf"] = rewards.sum()
+        stats["generated"] = response_mask.sum()
+        stats["eos"] = ((responses == tokenizer.eos_token_id) & response_mask).sum()
+        stats["zero_std"] = (grouped == grouped[0]).all(0).sum()  # prompts whose k scores are all equal
+        stats["clipped"] = clipped
+        for name, values in source_rewards.items():
+            stats[f"rewards/{name}"] = values.sum()  # before weighting
+        # the sample table: this rank's first prompt and its k completions (rows 0, B, 2B, ...)
+        samples = dict(
+            prompt=queries[0],
+            completions=responses[::B],
+            scores=raw_scores[::B],
+            rewards=rewards[::B],
+        )
         stopping = log_metrics(run, update, stats, lr, (t0, t1, t2, t3), samples)
         end_of_update(run, update, stopping)  # evaluation, checkpoint, a stop on a signal
         run.previous_end = t3
 
 
-# ================================================================================================================
+# ==================================================================================================
 # PLUMBING: setup, checks, data, models, checkpoints, metrics. Skip it on a first read: it changes no update's math.
 
 

@@ -836,6 +836,41 @@ def test_generate_survives_a_diverged_policy():
     assert tokens.shape == (3, 4) and ((0 <= tokens) & (tokens < 5)).all()
 
 
+def test_sample_tokens_draws_from_the_tempered_softmax():
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0, -math.inf, 0.5, 3.0])
+    probabilities = torch.softmax(logits / 0.7, -1)  # token 4: probability 0
+    n = 200_000
+    generator = torch.Generator().manual_seed(12)
+    drawn = rloo.sample_tokens(logits.expand(n, -1), 0.7, generator)
+    reference = torch.multinomial(probabilities, n, replacement=True, generator=generator)
+    # each frequency is a binomial proportion: within 5 standard deviations of its probability
+    bound = 5 * (probabilities * (1 - probabilities) / n).sqrt() + 1e-12
+    for tokens in (drawn, reference):
+        frequencies = torch.bincount(tokens, minlength=len(logits)) / n
+        assert ((frequencies - probabilities).abs() <= bound).all(), (frequencies, probabilities)
+    assert not (drawn == 4).any()
+    # temperature 0: greedy; a NaN row (a diverged policy): the last id
+    assert rloo.sample_tokens(logits[None], 0.0).tolist() == [6]
+    assert rloo.sample_tokens(torch.full((2, 7), math.nan), 0.7).tolist() == [6, 6]
+
+
+def test_prompt_once_forward_is_a_plain_forward():
+    # rows are k = 3 copies of B = 2 left-padded prompts (k-major), each with its own completion
+    policy = rloo.toy_policy(rloo.toy_tokenizer(), seed=0).eval()
+    g = torch.Generator().manual_seed(13)
+    prompts = torch.randint(0, 95, (2, 6), generator=g)
+    prompt_mask = torch.ones_like(prompts)
+    prompt_mask[1, :2] = 0  # the second prompt is 2 tokens shorter
+    responses = torch.randint(0, 95, (6, 5), generator=g)
+    response_mask = torch.ones_like(responses, dtype=torch.bool)
+    response_mask[4, 3:] = False  # one completion stopped early
+    queries, query_mask = prompts.repeat(3, 1), prompt_mask.repeat(3, 1)
+    with torch.no_grad():
+        once, _ = rloo.forward_logprobs(policy, queries, query_mask, responses, response_mask, 0.7, k=3)
+        plain, _ = rloo.forward_logprobs(policy, queries, query_mask, responses, response_mask, 0.7, k=1)
+    assert_close(once[response_mask], plain[response_mask], rtol=1e-5, atol=1e-5)
+
+
 def test_packed_linears_compute_what_nn_linear_computes():
     model, x = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 64)), torch.randn(3, 1, 512)
     with rloo.packed_linears(model, True):  # the first has 2**18 weights: packed; the second is left to MKL
