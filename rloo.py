@@ -70,7 +70,10 @@ class Args:
     stop_token: Optional[Literal["eos"]] = None  # `eos`: stop a completion at the eos token (cut after it)
     stop_token_id: Optional[int] = None  # stop a completion at this token id
     temperature: float = 0.7  # sampling temperature; log-probs are computed from logits divided by it too
+    top_k: int = 0  # sample from the k most likely tokens only; 0: all
+    top_p: float = 1.0  # sample from the fewest most likely tokens whose probability reaches top_p
     missing_eos_penalty: Optional[float] = None  # subtracted from the scores of completions not stopped
+    mask_truncated_completions: bool = False  # completions that never stopped add nothing to the gradient
     local_rollout_forward_batch_size: int = 64  # completions per forward pass in generation and scoring
     rloo_k: int = 2  # completions sampled per prompt (the k of RLOO)
     kl_coef: float = 0.05  # weight of the KL penalty against the reference policy
@@ -87,6 +90,7 @@ class Args:
     num_ppo_epochs: int = 4  # passes over each rollout batch
     learning_rate: Optional[float] = None  # AdamW's, decayed linearly to 0; None: 1e-3 for the toy, else 5e-5
     cliprange: float = 0.2  # the PPO clip range epsilon of the probability ratio
+    cliprange_high: Optional[float] = None  # the upper bound's: ratio <= 1 + cliprange_high; None: cliprange
     max_grad_norm: float = 1.0  # clip the gradient norm to this before each optimizer step; 0: no clipping
     cpu_threads: Optional[int] = None  # threads per process on CPUs; None: the cores shared by the processes
     gradient_checkpointing: bool = False  # recompute activations in the backward pass to save memory
@@ -195,20 +199,28 @@ def log_ratio(new_logprobs, old_logprobs, response_mask, sequence_level):
     return diff.sum(1) if sequence_level else diff
 
 
-def policy_loss(new_logprobs, old_logprobs, advantages, response_mask, cliprange):
-    """The PPO-clip surrogate: loss = max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps)).
+def policy_loss(new_logprobs, old_logprobs, advantages, response_mask, cliprange, cliprange_high=None):
+    """The PPO-clip surrogate: loss = max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps_high)), where
+    eps_high = eps unless given (DAPO's clip-higher lets unlikely tokens with A > 0 grow further).
     advantages (N,): sequence mode, ratio = exp(sum_t (logp_t - old_logp_t)), averaged over sequences.
     advantages (N, T): token mode, ratio_t = exp(logp_t - old_logp_t), averaged over real tokens.
-    Returns (loss, clipfrac): clipfrac is the fraction of terms where the clipped side is the larger."""
+    Returns (loss, clipfrac, clipfrac_low, clipfrac_high): the fraction of terms where the clipped side is
+    the larger, and its two parts: ratio < 1 - eps with A < 0, and ratio > 1 + eps_high with A > 0."""
+    if cliprange_high is None:
+        cliprange_high = cliprange
     sequence_level = advantages.dim() == 1
     ratio = torch.exp(log_ratio(new_logprobs, old_logprobs, response_mask, sequence_level))
     unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
+    clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange_high)
     losses = torch.max(unclipped, clipped)
     is_clipped = (clipped > unclipped).float()
+    clipped_low = ((ratio < 1.0 - cliprange) & (advantages < 0)).float()
+    clipped_high = ((ratio > 1.0 + cliprange_high) & (advantages > 0)).float()
     if sequence_level:
-        return losses.mean(), is_clipped.mean()
-    return masked_mean(losses, response_mask), masked_mean(is_clipped, response_mask)
+        return losses.mean(), is_clipped.mean(), clipped_low.mean(), clipped_high.mean()
+    loss = masked_mean(losses, response_mask)
+    clipfrac = masked_mean(is_clipped, response_mask)
+    return loss, clipfrac, masked_mean(clipped_low, response_mask), masked_mean(clipped_high, response_mask)
 
 
 def token_level_advantages(scores, kl, response_mask, kl_coef, rloo_k, whiten_rewards=False):
@@ -342,26 +354,38 @@ def get_reward(reward_model, input_ids, attention_mask, last_index):
     return reward_model.score(last_hidden).squeeze(-1).float()
 
 
-def sample_tokens(logits, temperature, generator=None):
+def sample_tokens(logits, temperature, generator=None, top_k=0, top_p=1.0):
     """One token per row of logits (N, V), drawn from softmax(logits / temperature): the same distribution as
     torch.multinomial(softmax(logits / temperature), 1), though not the same draws for a seed. Temperature 0
-    is greedy decoding. A row holding NaN (a diverged policy, or a vanishing temperature) gives the last id;
-    the non-finite guard then skips the update.
+    is greedy decoding. top_k > 0 keeps the k largest logits, then top_p < 1 the fewest most likely tokens
+    whose probability reaches top_p (the first always). A row holding NaN (a diverged policy, or a vanishing
+    temperature) gives the last id; the non-finite guard then skips the update.
     Speed: inverse-CDF sampling, one uniform number per row located in the cumulative probabilities, where
     torch.multinomial is slow over a large vocabulary."""
     if temperature == 0:
         return logits.argmax(-1)
-    cdf = torch.softmax(logits / temperature, dim=-1).cumsum(-1)  # (N, V)
+    logits = logits / temperature
+    if top_k > 0:
+        kth_largest = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+        logits = logits.masked_fill(logits < kth_largest, -math.inf)
+    probabilities = torch.softmax(logits, dim=-1)  # (N, V)
+    if top_p < 1.0:
+        # a token is left out when the tokens more likely than it already reach top_p
+        sorted_probabilities, order = probabilities.sort(-1, descending=True)
+        left_out = sorted_probabilities.cumsum(-1) - sorted_probabilities >= top_p
+        left_out = torch.zeros_like(left_out).scatter(-1, order, left_out)  # back in vocabulary order
+        probabilities = probabilities.masked_fill(left_out, 0.0)
+    cdf = probabilities.cumsum(-1)  # (N, V); its last column renormalizes what top-k and top-p left
     uniform = torch.rand(len(cdf), 1, device=cdf.device, generator=generator) * cdf[:, -1:]
     sampled = torch.searchsorted(cdf, uniform, right=True).squeeze(1)
     return sampled.clamp(max=cdf.shape[1] - 1)
 
 
 @torch.no_grad()
-def generate(model, queries, query_mask, length, temperature, stop_token_id, pad_token_id, synced, generator=None, k=1):
-    """Sample up to `length` tokens per row with a KV cache (sample_tokens: no top-k or top-p). Rows that
-    produced the stop token get pad afterwards; sampling ends once every row has stopped (on every rank when
-    `synced`: a ZeRO-3 sharded model needs all ranks in each forward)."""
+def generate(model, queries, query_mask, length, sample, stop_token_id, pad_token_id, synced, k=1):
+    """Sample up to `length` tokens per row with a KV cache; `sample` picks each row's token from its logits
+    (sample_tokens). Rows that produced the stop token get pad afterwards; sampling ends once every row has
+    stopped (on every rank when `synced`: a ZeRO-3 sharded model needs all ranks in each forward)."""
     position_ids = (query_mask.cumsum(1) - 1).clamp(min=0)
     prompt_end = position_ids[:, -1:]  # (N, 1)
     logits, cache = prompt_forward(model, queries, query_mask, position_ids, k)
@@ -379,7 +403,7 @@ def generate(model, queries, query_mask, length, temperature, stop_token_id, pad
                 position_ids=prompt_end + step,
             )
             logits = model(**inputs, cache=cache, use_cache=True).logits[:, -1].float()  # (N, V)
-        sampled = sample_tokens(logits, temperature, generator)
+        sampled = sample(logits)
         tokens.append(torch.where(done, pad_token_id, sampled))
         if stop_token_id is not None:
             done = done | (tokens[-1] == stop_token_id)
@@ -397,6 +421,9 @@ def rollout(run, queries, query_mask, temperature, generator=None, k=1):
     args = run.args
     pad = run.tokenizer.pad_token_id
     responses = torch.full((len(queries), args.response_length), pad, device=queries.device)
+    sample = functools.partial(
+        sample_tokens, temperature=temperature, generator=generator, top_k=args.top_k, top_p=args.top_p
+    )
     # speed: packed float32 weights on the CPU, when not sharded and without autocast
     packed = run.accelerator.mixed_precision == "no"
     with generation_context(run) as (model, synced), packed_linears(model, packed and not synced):
@@ -406,11 +433,10 @@ def rollout(run, queries, query_mask, temperature, generator=None, k=1):
                 queries[rows],
                 query_mask[rows],
                 args.response_length,
-                temperature,
+                sample,
                 stop_token_id=args.stop_token_id,
                 pad_token_id=pad,
                 synced=synced,
-                generator=generator,
                 k=k,
             )
             responses[rows, : tokens.shape[1]] = tokens
@@ -432,16 +458,14 @@ class RewardSource:
 
 
 @torch.no_grad()
-def score_completions(run, rows, queries, query_mask, responses, response_mask):
+def score_completions(run, rows, queries, query_mask, responses, response_mask, stopped):
     """Steps 4-5: score = sum_s weight_s * reward_s for each completion, minus missing_eos_penalty for the
     completions that never produced the stop token; and each source's rewards by name. A reward model reads
     the policy's token ids when it shares their vocabulary, else prompt + completion rendered by its own
-    tokenizer (render_for_reward)."""
+    tokenizer (render_for_reward). `stopped` (N,): the completions that produced the stop token."""
     args = run.args
     device = responses.device
     completions = run.tokenizer.batch_decode(responses, skip_special_tokens=True)
-    # (N,) all False without a stop token
-    stopped = ((responses == args.stop_token_id) & response_mask).any(1)
     rewards = {}
     for source in run.reward_sources:
         if source.fn is not None:
@@ -611,6 +635,8 @@ def train(run):
 
         # ---- 1. rollout: k completions per prompt, and 2. each cut after its stop token
         responses, response_mask = rollout(run, queries, query_mask, args.temperature, k=k)  # (k*B, T)
+        # (k*B,) the completions that produced the stop token; the others ran out of room (all, without one)
+        stopped = ((responses == args.stop_token_id) & response_mask).any(1)
         t1 = now(device)
 
         # ---- 3. log-probs of the sampled tokens under the policy (the update's "old" log-probs) and under
@@ -642,18 +668,19 @@ def train(run):
                     micro,
                     k=rows_per_prompt,
                 )
-        # with LoRA the reference is the policy itself, its adapters off
-        with torch.no_grad(), accelerator.autocast(), reference_model(run) as ref_policy:
-            ref_logprobs = batched_logprobs(
-                ref_policy,
-                queries,
-                query_mask,
-                responses,
-                response_mask,
-                args.temperature,
-                micro,
-                k=rows_per_prompt,
-            )
+        # the reference's, unless kl_coef is 0 (then none is loaded); with LoRA it is the policy, adapters off
+        if args.kl_coef > 0:
+            with torch.no_grad(), accelerator.autocast(), reference_model(run) as ref_policy:
+                ref_logprobs = batched_logprobs(
+                    ref_policy,
+                    queries,
+                    query_mask,
+                    responses,
+                    response_mask,
+                    args.temperature,
+                    micro,
+                    k=rows_per_prompt,
+                )
 
         # ---- 4. the score: the weighted reward sources; 5. minus missing_eos_penalty if it never stopped
         scores, source_rewards = score_completions(
@@ -663,6 +690,7 @@ def train(run):
             query_mask,
             responses,
             response_mask,
+            stopped,
         )
         raw_scores = scores  # what objective/scores logs: before normalization and clipping
         t2 = now(device)
@@ -674,7 +702,10 @@ def train(run):
         scores = scores.clamp(-args.reward_clip_range, args.reward_clip_range)
 
         # ---- 7. the KL to the reference, per token; a completion's reward r: its score minus its KL penalty
-        kl = torch.where(response_mask, old_logprobs - ref_logprobs, 0.0)  # (k*B, T)
+        if args.kl_coef > 0:
+            kl = torch.where(response_mask, old_logprobs - ref_logprobs, 0.0)  # (k*B, T)
+        else:
+            kl = torch.zeros_like(old_logprobs)  # nothing measured: objective/kl is not logged
         sequence_kl = kl.sum(1)  # (k*B,)
         rewards = scores - args.kl_coef * sequence_kl  # (k*B,)
 
@@ -692,11 +723,16 @@ def train(run):
             advantages = rloo_advantages(loo_rewards, k)  # (k*B,)
             if args.normalize_advantage:
                 advantages = whiten(advantages)
+        if args.mask_truncated_completions:
+            # a completion that never stopped adds nothing to the gradient; its score entered its group's
+            # baseline all the same, and it stays in every denominator
+            keep = stopped[:, None] if args.token_level_kl else stopped
+            advantages = torch.where(keep, advantages, 0.0)
 
         # ---- the non-finite guard: a NaN or inf anywhere in the rollout (a score before clipping, which
         # would make an inf finite; an advantage; a log-prob) skips this update on every rank
-        logprobs = torch.where(response_mask, old_logprobs + ref_logprobs, 0.0)  # non-finite if either one is
-        checked = (raw_scores, advantages, logprobs)
+        # kl is not finite where a reference log-prob is not
+        checked = (raw_scores, advantages, torch.where(response_mask, old_logprobs, 0.0), kl)
         bad = torch.stack([~torch.isfinite(values).all() for values in checked]).any()
         finite = all_reduce_sum(bad.float()).item() == 0
         # 3 skipped updates in a row stop the run (end_of_update)
@@ -715,6 +751,11 @@ def train(run):
             order = torch.randperm(args.local_batch_size, device=device)
             if micro == len(order):  # one micro-batch: in its own order
                 order = order.sort().values
+            if args.token_level_kl:
+                # the real tokens of each mini-batch, over every rank: token mode averages the loss over all
+                # of them, so a token weighs the same in a short micro-batch as in a long one (transformers'
+                # Trainer fixed the same bias in gradient accumulation with num_items_in_batch)
+                mini_batch_tokens = all_reduce_sum(response_mask[order].view(args.num_mini_batches, -1).sum(1))
             # micro-batches; a mini-batch is gradient_accumulation_steps consecutive ones
             for start in range(0, len(order), micro):
                 micro_batch = order[start : start + micro]
@@ -733,17 +774,28 @@ def train(run):
                             k=rows_per_prompt,
                         )
                     mb_advantages = advantages[micro_batch]
-                    loss, clipfrac = policy_loss(
-                        new_logprobs, mb_old_logprobs, mb_advantages, mb_response_mask, args.cliprange
+                    loss, clipfrac, clipfrac_low, clipfrac_high = policy_loss(
+                        new_logprobs,
+                        mb_old_logprobs,
+                        mb_advantages,
+                        mb_response_mask,
+                        args.cliprange,
+                        cliprange_high=args.cliprange_high,
                     )
-                    accelerator.backward(loss)
+                    # backward averages over the micro-batches and ranks: each gets its share of the tokens
+                    loss_weight = 1.0
+                    if args.token_level_kl:
+                        mini_batch = start // (micro * args.gradient_accumulation_steps)
+                        share = mb_response_mask.sum() / mini_batch_tokens[mini_batch]
+                        loss_weight = share * args.gradient_accumulation_steps * args.world_size
+                    accelerator.backward(loss * loss_weight)
                     # at a mini-batch's last micro-batch: clip, and step unless the gradient is not finite
                     # (DeepSpeed does both inside backward)
                     optimizer_step(run)
                 add_stats(
                     stats,
                     loss,
-                    clipfrac,
+                    (clipfrac, clipfrac_low, clipfrac_high),
                     new_logprobs,
                     mb_old_logprobs,
                     entropy,
@@ -760,6 +812,9 @@ def train(run):
         stats["scores"] = raw_scores.sum()
         stats["rlhf"] = rewards.sum()
         stats["generated"] = response_mask.sum()
+        stats["truncated"] = (~stopped).sum()  # completions that ran out of room
+        stats["terminated"] = stopped.sum()
+        stats["terminated_tokens"] = response_mask[stopped].sum()
         stats["eos"] = ((responses == tokenizer.eos_token_id) & response_mask).sum()
         stats["zero_std"] = (grouped == grouped[0]).all(0).sum()  # prompts whose k scores are all equal
         stats["clipped"] = clipped
