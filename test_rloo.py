@@ -12,6 +12,7 @@ DDP, on the CPU over gloo, with tiny local models. No GPU, no network:
 
 import copy
 import fcntl
+import functools
 import json
 import math
 import os
@@ -99,7 +100,7 @@ def test_policy_loss_sequence_mode_by_hand():
     old = -torch.tensor([[1.0, 2.0, 0.5], [0.3, 1.5, 2.5], [0.7, 1.1, 0.2], [2.0, 0.4, 0.9], [1.2, 3.0, 0.6]])
     new = (old + diffs).requires_grad_()
     adv = torch.tensor([2.0, -1.0, -1.0, 3.0, -0.5])
-    loss, clipfrac = rloo.policy_loss(new, old, adv, mask, eps)
+    loss, clipfrac, clipfrac_low, clipfrac_high = rloo.policy_loss(new, old, adv, mask, eps)
     # row: log ratio, A -> unclipped -A r, clipped -A clip(r), the max, clipped wins?
     # 0: 0.3,   A=2    -> -2 e^.3 = -2.6997, -2*1.2 = -2.4        -> -2.4, clipped
     # 1: 0.04,  A=-1   -> e^.04 = 1.0408 both (inside the range)  -> 1.0408, not clipped
@@ -109,6 +110,7 @@ def test_policy_loss_sequence_mode_by_hand():
     terms = [-2.4, math.exp(0.04), 0.8, -3 * math.exp(-0.3), 0.5 * math.exp(0.4)]
     assert loss.item() == pytest.approx(sum(terms) / 5, rel=1e-5)
     assert clipfrac.item() == pytest.approx(2 / 5)
+    assert clipfrac_low.item() == pytest.approx(1 / 5) and clipfrac_high.item() == pytest.approx(1 / 5)  # 2; 0
     loss.backward()
     # d loss / d logp_t = -A r / N on the real tokens of unclipped rows, 0 on clipped rows and on padding
     row_grad = [0.0, math.exp(0.04), 0.0, -3 * math.exp(-0.3), 0.5 * math.exp(0.4)]
@@ -123,7 +125,7 @@ def test_policy_loss_token_mode_by_hand():
     old = torch.tensor([[-1.0, -0.2, -3.0], [-0.6, -1.4, -0.8]])
     new = (old + diffs).requires_grad_()
     adv = torch.tensor([[1.0, 2.0, -1.0], [-2.0, 0.5, 0.0]])
-    loss, clipfrac = rloo.policy_loss(new, old, adv, mask, eps)
+    loss, clipfrac, _, _ = rloo.policy_loss(new, old, adv, mask, eps)
     # (0,0): r=e^.3,  A=1   -> -1.3499 vs -1.2          -> -1.2 clipped
     # (0,1): r=e^-.1, A=2   -> -1.8097 both             -> not clipped
     # (0,2): r=e^-.4, A=-1  -> 0.6703 vs 0.8            -> 0.8 clipped
@@ -137,17 +139,30 @@ def test_policy_loss_token_mode_by_hand():
     assert_close(new.grad, expected)
 
 
+def test_clip_higher_moves_only_the_upper_bound():
+    # row 0: ratio 1.25 with A = 2; row 1: ratio 0.7 with A = -1 (sequence mode, one token each)
+    old = torch.zeros(2, 1)
+    new = torch.log(torch.tensor([[1.25], [0.7]]))
+    adv, mask = torch.tensor([2.0, -1.0]), torch.ones(2, 1, dtype=torch.bool)
+    # cliprange 0.2 both ways: row 0 -> max(-2 * 1.25, -2 * 1.2) = -2.4; row 1 -> max(0.7, 0.8) = 0.8
+    loss, clipfrac, low, high = rloo.policy_loss(new, old, adv, mask, 0.2)
+    assert loss.item() == pytest.approx((-2.4 + 0.8) / 2) and (clipfrac, low, high) == (1.0, 0.5, 0.5)
+    # the upper bound at 1.3: row 0 is no longer clipped, -2 * 1.25 = -2.5; row 1 is unchanged
+    loss, clipfrac, low, high = rloo.policy_loss(new, old, adv, mask, 0.2, cliprange_high=0.3)
+    assert loss.item() == pytest.approx((-2.5 + 0.8) / 2) and (clipfrac, low, high) == (0.5, 0.5, 0.0)
+
+
 def test_policy_loss_ratio_one_is_minus_mean_advantage():
     # new == old: ratio 1, nothing clipped, loss = -mean(A) (sequence) / -mean over real tokens (token mode)
     g = torch.Generator().manual_seed(0)
     logp = -torch.rand(4, 6, generator=g)
     mask = torch.arange(6)[None, :] < torch.tensor([[6], [1], [3], [4]])
     adv = torch.randn(4, generator=g)
-    loss, clipfrac = rloo.policy_loss(logp, logp, adv, mask, 0.2)
+    loss, clipfrac, _, _ = rloo.policy_loss(logp, logp, adv, mask, 0.2)
     assert_close(loss, -adv.mean())
     assert clipfrac.item() == 0.0
     adv_t = torch.randn(4, 6, generator=g)
-    loss, clipfrac = rloo.policy_loss(logp, logp, adv_t, mask, 0.2)
+    loss, clipfrac, _, _ = rloo.policy_loss(logp, logp, adv_t, mask, 0.2)
     assert_close(loss, -adv_t[mask].sum() / mask.sum())
     assert clipfrac.item() == 0.0
 
@@ -163,7 +178,7 @@ def test_policy_loss_ignores_garbage_at_masked_positions(token_mode):
 
     def run(new, old, adv):
         new = new.clone().requires_grad_()
-        loss, clipfrac = rloo.policy_loss(new, old, adv, mask, 0.2)
+        loss, clipfrac, _, _ = rloo.policy_loss(new, old, adv, mask, 0.2)
         loss.backward()
         return loss.detach(), clipfrac, new.grad
 
@@ -623,6 +638,11 @@ def run_main(tmp_path, **fields):
         (dict(reward_model_path="no_such_model"), "--reward-model-path no_such_model"),
         (dict(response_length=600), "--response-length 600 after the longest prompt"),
         (dict(dataset_name="no_such.jsonl"), "--dataset-name no_such.jsonl"),
+        (dict(mask_truncated_completions=True), "--mask-truncated-completions needs a stop token: add --stop-token"),
+        (dict(cliprange_high=0.0), "--cliprange-high"),
+        (dict(top_k=-1), "--top-k"),
+        (dict(top_p=0.0), "--top-p"),
+        (dict(top_p=1.5), "--top-p"),
     ],
 )
 def test_flag_checks(tmp_path, monkeypatch, fields, words):
@@ -832,7 +852,8 @@ def test_generate_survives_a_diverged_policy():
             return type("Output", (), {"logits": torch.full((len(input_ids), 1, 5), math.nan), "cache": cache})
 
     ones = torch.ones(3, 2, dtype=torch.long)
-    tokens = rloo.generate(Diverged(), ones, ones, 4, 0.7, None, 0, synced=False)
+    sample = functools.partial(rloo.sample_tokens, temperature=0.7)
+    tokens = rloo.generate(Diverged(), ones, ones, 4, sample, None, 0, synced=False)
     assert tokens.shape == (3, 4) and ((0 <= tokens) & (tokens < 5)).all()
 
 
@@ -852,6 +873,31 @@ def test_sample_tokens_draws_from_the_tempered_softmax():
     # temperature 0: greedy; a NaN row (a diverged policy): the last id
     assert rloo.sample_tokens(logits[None], 0.0).tolist() == [6]
     assert rloo.sample_tokens(torch.full((2, 7), math.nan), 0.7).tolist() == [6, 6]
+
+
+def test_top_k_and_top_p_keep_the_most_likely_tokens():
+    n = 100_000
+    probabilities = torch.tensor([0.05, 0.5, 0.15, 0.3])  # at temperature 1
+    logits = probabilities.log().expand(n, -1)
+    generator = torch.Generator().manual_seed(14)
+
+    def frequencies(**kwargs):
+        return torch.bincount(rloo.sample_tokens(logits, 1.0, generator, **kwargs), minlength=4) / n
+
+    # top_p 0.7 keeps 0.5 (none before it) and 0.3 (0.5 before it), not 0.15 (0.8 before it): 5/8, 3/8
+    assert_close(frequencies(top_p=0.7), torch.tensor([0.0, 0.625, 0.0, 0.375]), rtol=0, atol=0.01)
+    # top-k first, then top-p: after top_k 3 the kept probabilities are 0.5, 0.3, 0.15 over 0.95; top_p 0.83
+    # keeps 0.526 and 0.316 (0.842 before the third). top-p first would have kept three (0.8 before it).
+    assert_close(frequencies(top_k=3, top_p=0.83), torch.tensor([0.0, 0.625, 0.0, 0.375]), rtol=0, atol=0.01)
+    assert_close(frequencies(top_k=2), torch.tensor([0.0, 0.625, 0.0, 0.375]), rtol=0, atol=0.01)
+    # top_k 1 samples what greedy decoding picks
+    random_logits = torch.randn(64, 99, generator=generator)
+    assert torch.equal(rloo.sample_tokens(random_logits, 0.7, generator, top_k=1), random_logits.argmax(-1))
+    # the defaults draw exactly what the plain sampler draws
+    plain = torch.softmax(random_logits / 0.7, -1).cumsum(-1)
+    uniform = torch.rand(64, 1, generator=torch.Generator().manual_seed(15)) * plain[:, -1:]
+    expected = torch.searchsorted(plain, uniform, right=True).squeeze(1)
+    assert torch.equal(rloo.sample_tokens(random_logits, 0.7, torch.Generator().manual_seed(15)), expected)
 
 
 def test_prompt_once_forward_is_a_plain_forward():
@@ -1759,3 +1805,80 @@ def test_one_process_skips_a_poisoned_step_alike(workdir, tmp_path):
     )
     states = [torch.load(tmp_path / "out" / f"checkpoint-{n}" / "optimizer.bin")["state"] for n in (1, 2)]
     assert all(torch.equal(states[0][i][key], states[1][i][key]) for i in states[0] for key in states[0][i])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 15. the knobs researchers reach for: truncated completions, no reference at kl_coef 0, a token mean over the
+# whole mini-batch
+
+
+@slow
+def test_truncated_completions_when_masked_train_nothing(workdir, tmp_path):
+    # the eos-likely policy never samples unk: with unk as the stop token, every completion runs out of room
+    unk = str(rloo.toy_tokenizer().unk_token_id)
+    flags = ["--sft-model-path", "policy_eos", *SHORT, "--stop-token-id", unk, "--total-episodes", "16"]
+    launch(workdir, tmp_path / "masked", *flags, "--mask-truncated-completions")
+    launch(workdir, tmp_path / "plain", *flags)
+    for name in ("masked", "plain"):
+        for m in read_metrics(tmp_path / name):
+            assert m["completions/clipped_ratio"] == 1.0 and m["completions/mean_terminated_length"] == 0.0
+            assert m["completions/mean_length"] == 8.0  # SHORT's --response-length
+    initial = load_weights(workdir / "policy_eos")
+    masked, plain = load_weights(tmp_path / "masked"), load_weights(tmp_path / "plain")
+    # every advantage 0: every gradient 0, and Adam moves no weight
+    assert all(torch.equal(masked[name], initial[name]) for name in initial)
+    assert any(not torch.equal(plain[name], initial[name]) for name in initial)
+
+
+def test_no_reference_is_loaded_at_kl_coef_0():
+    tokenizer = rloo.toy_tokenizer()
+    _, ref_policy, _ = rloo.load_models(rloo.Args(kl_coef=0.0), tokenizer, 8, float32_heads=False)
+    assert ref_policy is None
+
+
+@slow
+def test_kl_coef_0_logs_no_kl_and_rewards_the_clipped_score(workdir, tmp_path):
+    proc = launch(workdir, tmp_path / "out", *SHORT, "--kl-coef", "0", "--reward-clip-range", "2")
+    for m in read_metrics(tmp_path / "out"):
+        assert "objective/kl" not in m and m["objective/non_score_reward"] == 0.0
+        # the toy's scores are at most 10: with the clip at 2, the reward is the clipped score
+        assert m["objective/rlhf_reward"] <= 2.0 < 2.0 + m["objective/scores"] * m["objective/scores_clipped_frac"]
+    assert "update 1/4" in proc.stdout and " kl " not in proc.stdout
+
+
+# records the policy's gradients at its first optimizer step
+GRADIENTS = """
+import os
+if os.environ.get("RLOO_TEST_GRADIENTS"):
+    import torch
+    step = torch.optim.AdamW.step
+
+    def recorded(self, *args, **kwargs):
+        path = os.environ["RLOO_TEST_GRADIENTS"]
+        if not os.path.exists(path):
+            torch.save([p.grad.clone() for group in self.param_groups for p in group["params"]], path)
+        return step(self, *args, **kwargs)
+
+    torch.optim.AdamW.step = recorded
+"""
+
+
+@slow
+@pytest.mark.parametrize("mode", ["--token-level-kl", "--no-token-level-kl"])
+def test_gradient_accumulation_gives_the_gradient_of_one_micro_batch(workdir, tmp_path, mode):
+    # one update of 8 completions that stop at different lengths, cut into 2 micro-batches of 4 or taken as one
+    (workdir / "gradients").mkdir(exist_ok=True)
+    (workdir / "gradients" / "sitecustomize.py").write_text(GRADIENTS)
+    pythonpath = f"{workdir / 'gradients'}{os.pathsep}{workdir}"
+    flags = ["--sft-model-path", "policy_eos", *SHORT, "--stop-token", "eos", "--num-ppo-epochs", "1", mode]
+    gradients, lengths = [], []
+    for name, batch in [("accumulated", ["4", "--gradient-accumulation-steps", "2"]), ("one", ["8"])]:
+        env = {"RLOO_TEST_GRADIENTS": str(tmp_path / name)}
+        launch(
+            workdir, tmp_path / name, *flags, "--per-device-train-batch-size", *batch, env=env, pythonpath=pythonpath
+        )
+        gradients.append(torch.load(tmp_path / name))
+        lengths.append(read_metrics(tmp_path / name)[0]["completions/mean_length"])
+    assert lengths[0] == lengths[1] and lengths[0] not in (1.0, 8.0)  # the same rollout, of uneven lengths
+    for accumulated, one in zip(gradients[0], gradients[1], strict=True):
+        assert_close(accumulated, one, rtol=1e-4, atol=1e-6)
