@@ -1838,11 +1838,14 @@ def test_no_reference_is_loaded_at_kl_coef_0():
 
 @slow
 def test_kl_coef_0_logs_no_kl_and_rewards_the_clipped_score(workdir, tmp_path):
-    proc = launch(workdir, tmp_path / "out", *SHORT, "--kl-coef", "0", "--reward-clip-range", "2")
-    for m in read_metrics(tmp_path / "out"):
+    flags = [*SHORT, "--kl-coef", "0", "--reward-fn", "test_rewards:vowels", "--reward-clip-range", "0.5"]
+    proc = launch(workdir, tmp_path / "out", *flags, env={"RLOO_TEST_LOG": str(tmp_path / "calls")})
+    metrics, calls = read_metrics(tmp_path / "out"), read_calls(tmp_path / "calls", "vowels")
+    assert len(metrics) == len(calls) == 4 and any(max(call["scores"]) > 0.5 for call in calls)
+    for m, call in zip(metrics, calls, strict=True):
         assert "objective/kl" not in m and m["objective/non_score_reward"] == 0.0
-        # the toy's scores are at most 10: with the clip at 2, the reward is the clipped score
-        assert m["objective/rlhf_reward"] <= 2.0 < 2.0 + m["objective/scores"] * m["objective/scores_clipped_frac"]
+        clipped = [min(score, 0.5) for score in call["scores"]]  # vowels per completion, clipped at 0.5
+        assert m["objective/rlhf_reward"] == pytest.approx(sum(clipped) / len(clipped))
     assert "update 1/4" in proc.stdout and " kl " not in proc.stdout
 
 
