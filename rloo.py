@@ -616,6 +616,9 @@ def setup(args):
     warnings.filterwarnings("ignore", message=".*is deprecated. Please use `torch.distributed")
     # "Removed shared tensor" for tied weights
     logging.getLogger("accelerate.utils.other").setLevel(logging.ERROR)
+    # into a log, transformers' progress bars ("Loading weights", "Writing model shards") would write \r
+    if not sys.stderr.isatty():
+        transformers.utils.logging.disable_progress_bar()
     if args.sft_model_path:
         tokenizer = load_pretrained(AutoTokenizer, args.sft_model_path, "--sft-model-path", args)
     else:
