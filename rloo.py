@@ -1264,8 +1264,12 @@ def log_metrics(run, update, stats, lr, times, samples):
     if accelerator.is_main_process:
         append_lines(args, "metrics.jsonl", [metrics])
         if done % max(1, args.num_total_batches // 20) == 0 or update == run.start_update:
+            # the updates left times this session's seconds per update so far
+            eta = (args.num_total_batches - done) * elapsed / (done - run.start_update)
+            minutes, seconds = divmod(round(eta), 60)
+            progress = f"update {done}/{args.num_total_batches}  eta {minutes}m{seconds:02d}s"
             shown = f"score {metrics['objective/scores']:.3f}  kl {metrics['objective/kl']:.2f}"
-            print(f"update {done}/{args.num_total_batches}  {shown}  eps {metrics['eps']:.1f}")
+            print(f"{progress}  {shown}  eps {metrics['eps']:.1f}")
         tables = args.num_sample_generations  # over the run; 0: none
         if tables and done % max(1, args.num_total_batches // tables) == 0:
             prompts = run.tokenizer.batch_decode(samples[0], skip_special_tokens=True)
