@@ -1272,13 +1272,26 @@ def log_metrics(run, update, stats, lr, times, samples):
             print(f"{progress}  {shown}  eps {metrics['eps']:.1f}")
         tables = args.num_sample_generations  # over the run; 0: none
         if tables and done % max(1, args.num_total_batches // tables) == 0:
-            prompts = run.tokenizer.batch_decode(samples[0], skip_special_tokens=True)
-            completions = run.tokenizer.batch_decode(samples[1], skip_special_tokens=True)
-            print(f"{'prompt':<32} | {'completion':<60} | score")
-            # repr escapes control bytes
-            for prompt, completion, score in zip(prompts, completions, samples[2].tolist(), strict=True):
-                print(f"{repr(prompt)[1:-1][:32]:<32} | {repr(completion)[1:-1][:60]:<60} | {score:.3f}")
+            print_samples(run.tokenizer, samples)
     return totals["stop_signals"] > 0
+
+
+def print_samples(tokenizer, samples):
+    """The sample table: one prompt, then each of its k completions with its score, its reward r, its baseline
+    (the mean reward of the other k-1 completions) and its leave-one-out advantage r - baseline."""
+    rewards = samples["rewards"]  # (k,)
+    baselines = (rewards.sum() - rewards) / (len(rewards) - 1)
+    advantages = rewards - baselines
+    table = torch.stack([samples["scores"], rewards, baselines, advantages], dim=1).tolist()  # (k, 4)
+    prompt = tokenizer.decode(samples["prompt"], skip_special_tokens=True)
+    completions = tokenizer.batch_decode(samples["completions"], skip_special_tokens=True)
+    # repr escapes control bytes (a newline, a terminal's escape sequences)
+    print(f"prompt: {repr(prompt)[1:-1][:110]}")
+    print(f"baseline: the mean reward of the other {len(rewards) - 1} completions; advantage: reward - baseline")
+    print(f"{'completion':<60} | score   | reward  | baseline | advantage")
+    for completion, (score, reward, baseline, advantage) in zip(completions, table, strict=True):
+        numbers = f"{score:7.3f} | {reward:7.3f} | {baseline:8.3f} | {advantage:9.3f}"
+        print(f"{repr(completion)[1:-1][:60]:<60} | {numbers}")
 
 
 @torch.no_grad()
@@ -1344,9 +1357,9 @@ def end_of_update(run, update, stopping):
     # another rank's signal: stop alike
     number = run.stop_signals[0] if run.stop_signals else signal.SIGTERM
     if run.accelerator.is_main_process:
+        stopped = f"rloo.py: stopped by {signal.Signals(number).name} after update {done}"
         resume = f"resume with --output-dir {args.output_dir} --resume-from-checkpoint latest"
-        name = signal.Signals(number).name
-        print(f"rloo.py: stopped by {name} after update {done}; {resume}", file=sys.stderr)
+        print(f"{stopped}; {resume}", file=sys.stderr)
     sys.exit(128 + number)  # 130 for SIGINT, 143 for SIGTERM
 
 
