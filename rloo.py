@@ -1282,12 +1282,13 @@ def print_samples(tokenizer, samples):
     rewards = samples["rewards"]  # (k,)
     baselines = (rewards.sum() - rewards) / (len(rewards) - 1)
     advantages = rewards - baselines
-    table = torch.stack([samples["scores"], rewards, baselines, advantages], dim=1).tolist()  # (k, 4)
+    # (k, 4): each completion's score, reward, baseline and advantage
+    table = torch.stack([samples["scores"], rewards, baselines, advantages], dim=1).tolist()
     prompt = tokenizer.decode(samples["prompt"], skip_special_tokens=True)
     completions = tokenizer.batch_decode(samples["completions"], skip_special_tokens=True)
     # repr escapes control bytes (a newline, a terminal's escape sequences)
     print(f"prompt: {repr(prompt)[1:-1][:110]}")
-    print(f"baseline: the mean reward of the other {len(rewards) - 1} completions; advantage: reward - baseline")
+    print(f"baseline: the mean reward of the other {len(rewards) - 1}; advantage: reward - baseline")
     print(f"{'completion':<60} | score   | reward  | baseline | advantage")
     for completion, (score, reward, baseline, advantage) in zip(completions, table, strict=True):
         numbers = f"{score:7.3f} | {reward:7.3f} | {baseline:8.3f} | {advantage:9.3f}"
