@@ -836,14 +836,16 @@ def train(run):
 # PLUMBING: setup, checks, data, models, checkpoints, metrics. Skip it on a first read: it changes no update's math.
 
 
+# what setup() hands the loop, and the counters the loop keeps across updates
 @dataclass
-class Run:  # what setup() hands the loop, and the counters the loop keeps across updates
+class Run:
     args: Args
     accelerator: Any
     tokenizer: Any
     prompts: list  # token-id lists, one per usable prompt
     rows: list  # the dataset's rows (every column), aligned with prompts
-    policy: Any  # what trains: the model wrapped by accelerate (a DeepSpeed engine, DDP, or the model itself)
+    # what trains: the model wrapped by accelerate (a DeepSpeed engine, DDP, or the model itself)
+    policy: Any
     ref_policy: Any  # None with LoRA: the reference is the policy with its adapters off
     optimizer: Any
     reward_sources: list  # RewardSource: the reward model first, then the reward functions
@@ -861,27 +863,43 @@ class Run:  # what setup() hands the loop, and the counters the loop keeps acros
 
 
 PHASES = ("generation", "scoring", "training", "other")
+# the sums that add_stats adds to, by name (train() starts them at 0.0 each update)
 STAT_NAMES = ("loss", "clipfrac", "approxkl", "ratio", "ratio_sq", "entropy", "terms", "tokens")
-LOCKS = []  # the lock this process holds on its output directory (an open file), released when main() ends
+# the lock this process holds on its output directory (an open file), released when main() ends
+LOCKS = []
 
 
 def setup(args):
     """Everything the loop needs, checked in order of cost: flags and data first, the models last."""
-    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")  # else DeepSpeed warns
-    warnings.filterwarnings("ignore", message=".*is deprecated. Please use `torch.distributed")  # DeepSpeed's calls
-    logging.getLogger("accelerate.utils.other").setLevel(logging.ERROR)  # "Removed shared tensor" for tied weights
-    path = args.sft_model_path  # None: the toy's
-    tokenizer = load_pretrained(AutoTokenizer, path, "--sft-model-path", args) if path else toy_tokenizer()
+    # else DeepSpeed warns
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+    # DeepSpeed's own calls
+    warnings.filterwarnings("ignore", message=".*is deprecated. Please use `torch.distributed")
+    # "Removed shared tensor" for tied weights
+    logging.getLogger("accelerate.utils.other").setLevel(logging.ERROR)
+    # into a log, transformers' progress bars ("Loading weights", "Writing model shards") would write \r
+    if not sys.stderr.isatty():
+        transformers.utils.logging.disable_progress_bar()
+    if args.sft_model_path:
+        tokenizer = load_pretrained(AutoTokenizer, args.sft_model_path, "--sft-model-path", args)
+    else:
+        tokenizer = toy_tokenizer()
     tokenizer.padding_side = "left"  # generation appends on the right
-    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token  # fine: masks never compare ids with the pad id
+    # fine: masks never compare ids with the pad id
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
     prompts, rows = load_prompts(args, tokenizer, args.dataset_name, args.dataset_split, "--dataset-name")
     saved = read_checkpoint(args)
     resolve_args(args, int(os.environ.get("WORLD_SIZE", 1)), tokenizer, len(prompts), saved)
-    evaluation = ([], [])  # the first num_eval_prompts held-out prompts, and their rows
+    # the first num_eval_prompts held-out prompts, and their rows
+    eval_prompts = []
+    eval_rows = []
     if args.eval_steps:
         path = args.eval_dataset_name or args.dataset_name
-        evaluation = load_prompts(args, tokenizer, path, args.eval_split, "--eval-dataset-name", args.num_eval_prompts)
-    sources = [load_reward_fn(spec, rows[:2] + evaluation[1][:2], args) for spec in args.reward_fn or []]
+        flag = "--eval-dataset-name"
+        limit = args.num_eval_prompts
+        eval_prompts, eval_rows = load_prompts(args, tokenizer, path, args.eval_split, flag, limit)
+    # each reward function is tried on two rows of each dataset before the models load
+    sources = [load_reward_fn(spec, rows[:2] + eval_rows[:2], args) for spec in args.reward_fn or []]
     if not sources and not args.reward_model_path:  # the toy task's reward
         toy = functools.partial(toy_reward, response_length=args.response_length)
         sources = [RewardSource("toy_reward", "the toy reward", fn=toy)]
@@ -895,27 +913,45 @@ def setup(args):
     if accelerator.device.type == "cpu":
         torch.set_num_threads(args.cpu_threads)
     float32_heads = accelerator.mixed_precision != "no"
-    policy, ref_policy, reward_model = load_models(
-        args, tokenizer, max(map(len, prompts + evaluation[0])), float32_heads
-    )
+    longest_prompt = max(map(len, prompts + eval_prompts))
+    policy, ref_policy, reward_model = load_models(args, tokenizer, longest_prompt, float32_heads)
     trainable = [p for p in policy.parameters() if p.requires_grad]  # with LoRA, the adapters only
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, eps=1e-8, weight_decay=0.0, fused=True)
     policy, optimizer = accelerator.prepare(policy, optimizer)
-    ref_policy = ref_policy and prepare_frozen(ref_policy, accelerator)
+    if ref_policy is not None:
+        ref_policy = prepare_frozen(ref_policy, accelerator)
     if reward_model is not None:  # the reward model is the first source
         reward_model.model = prepare_frozen(reward_model.model, accelerator)
         sources.insert(0, reward_model)
-    for source, weight in zip(sources, args.reward_weights or [1.0] * len(sources)):
-        source.weight = weight
-    run = Run(args, accelerator, tokenizer, prompts, rows, policy, ref_policy, optimizer, sources, zero3, *evaluation)
-    accelerator.init_trackers(args.exp_name, config=asdict(args))  # no tracker: nothing to do, as for log()
+    # resolve_args checked that there is one weight per source; none given: 1.0 each
+    if args.reward_weights is not None:
+        for source, weight in zip(sources, args.reward_weights, strict=True):
+            source.weight = weight
+    run = Run(
+        args,
+        accelerator,
+        tokenizer,
+        prompts,
+        rows,
+        policy,
+        ref_policy,
+        optimizer,
+        sources,
+        zero3,
+        eval_prompts,
+        eval_rows,
+    )
+    # no tracker: nothing to do, as for log()
+    accelerator.init_trackers(args.exp_name, config=asdict(args))
     resume_or_seed(run, saved)
-    for signum in (signal.SIGTERM, signal.SIGINT):  # preemption: finish the update, checkpoint, exit
+    # preemption: finish the update, checkpoint, exit
+    for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, functools.partial(on_stop_signal, run))
-    sizes = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for p in policy.parameters()]  # ZeRO-3: whole
+    # the header line; under ZeRO-3 a rank holds a shard of each parameter, whose whole size is ds_numel
+    sizes = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for p in policy.parameters()]
     trained = f"{sum(n for n, grad in sizes if grad):,} of {sum(n for n, _ in sizes):,} parameters trained"
     threads = f", {torch.get_num_threads()} CPU threads each" if accelerator.device.type == "cpu" else ""
-    if accelerator.is_main_process:  # the header line
+    if accelerator.is_main_process:
         print(f"{args.run_name}: {args.num_total_batches} updates of {args.batch_size} completions ", end="")
         print(f"({args.world_size} processes{threads}; {trained}) -> {args.output_dir}")
     run.start_time = run.previous_end = now(accelerator.device)
@@ -923,7 +959,8 @@ def setup(args):
 
 
 def on_stop_signal(run, number, frame):
-    """A first SIGTERM or SIGINT (Ctrl-C) ends the run after this update, with a checkpoint; a second, at once."""
+    """A first SIGTERM or SIGINT (Ctrl-C) stops the run after this update, with a checkpoint; a second one
+    stops it at once (exit code 128 + the signal's number)."""
     if run.stop_signals:
         print(f"rloo.py: stopped at once by a second {signal.Signals(number).name}", file=sys.stderr)
         os._exit(128 + number)
@@ -931,39 +968,53 @@ def on_stop_signal(run, number, frame):
 
 
 # the lowest value of each numeric flag (None, where a flag allows it, means "not set"), and those above 0
-AT_LEAST_1 = "response_length max_prompt_length per_device_train_batch_size gradient_accumulation_steps lora_r "
-AT_LEAST_1 += "num_mini_batches num_ppo_epochs save_steps local_rollout_forward_batch_size save_total_limit cpu_threads"
-AT_LEAST_0 = "seed stop_token_id kl_coef max_grad_norm num_sample_generations eval_steps eval_temperature lora_dropout"
-AT_LEAST = {"rloo_k": 2, "total_episodes": 1, "num_eval_prompts": 1, "missing_eos_penalty": 0, "learning_rate": 0}
+AT_LEAST_1 = """response_length max_prompt_length per_device_train_batch_size gradient_accumulation_steps
+lora_r num_mini_batches num_ppo_epochs save_steps local_rollout_forward_batch_size save_total_limit
+cpu_threads"""
+AT_LEAST_0 = """seed stop_token_id kl_coef max_grad_norm num_sample_generations eval_steps eval_temperature
+lora_dropout"""
+AT_LEAST = dict(rloo_k=2, total_episodes=1, num_eval_prompts=1, missing_eos_penalty=0, learning_rate=0)
 AT_LEAST |= dict.fromkeys(AT_LEAST_1.split(), 1) | dict.fromkeys(AT_LEAST_0.split(), 0)
 ABOVE_0 = "temperature cliprange reward_clip_range num_train_epochs lora_alpha".split()
 
 
-# what sets the prompts, their order, the batch and the run's length: a resume must keep these flags (others may change)
-RESUME_FIXED = "rloo_k per_device_train_batch_size gradient_accumulation_steps num_mini_batches total_episodes seed "
-RESUME_FIXED += "response_length sft_model_path dataset_name dataset_split dataset_text_field max_prompt_length "
-RESUME_FIXED += "token_level_kl use_peft lora_r lora_alpha lora_target_modules lora_task_type"
+# what sets the prompts, their order, the batch and the run's length: a resume must keep these flags (others
+# may change)
+RESUME_FIXED = """rloo_k per_device_train_batch_size gradient_accumulation_steps num_mini_batches
+total_episodes seed response_length sft_model_path dataset_name dataset_split dataset_text_field
+max_prompt_length token_level_kl use_peft lora_r lora_alpha lora_target_modules lora_task_type"""
 
 
 def resolve_args(args, world_size, tokenizer, num_prompts, saved=None):
     """The one place where the flags become the run's settings, each checked. Nothing else changes `args`."""
-    for name in [*AT_LEAST, *ABOVE_0]:
-        value, lowest, above = getattr(args, name), AT_LEAST.get(name, 0), name not in AT_LEAST
-        if value is not None and not (lowest < value < math.inf or value == lowest and not above):  # NaN fails too
-            above = "above 0" if above else f"at least {lowest}"
-            raise ArgumentError(f"--{name.replace('_', '-')} must be a finite number {above} (got {value})")
-    sources = int(args.reward_model_path is not None) + len(args.reward_fn or []) or 1  # 1: the toy reward
+    # a NaN fails every comparison
+    for name, lowest in AT_LEAST.items():
+        value = getattr(args, name)
+        if value is not None and not lowest <= value < math.inf:
+            flag = f"--{name.replace('_', '-')}"
+            raise ArgumentError(f"{flag} must be a finite number at least {lowest} (got {value})")
+    for name in ABOVE_0:
+        value = getattr(args, name)
+        if value is not None and not 0 < value < math.inf:
+            flag = f"--{name.replace('_', '-')}"
+            raise ArgumentError(f"{flag} must be a finite number above 0 (got {value})")
+    # the reward model, then each reward function; none: the toy reward
+    sources = int(args.reward_model_path is not None) + len(args.reward_fn or []) or 1
     if args.reward_weights is not None and len(args.reward_weights) != sources:
-        raise ArgumentError(f"--reward-weights: give {sources}, the reward model's first, then each --reward-fn's")
+        order = "the reward model's first, then each --reward-fn's"
+        raise ArgumentError(f"--reward-weights: give {sources}, {order}")
     if args.missing_eos_penalty is not None and args.stop_token is None and args.stop_token_id is None:
-        raise ArgumentError("--missing-eos-penalty needs a stop token: add --stop-token eos or --stop-token-id")
+        fix = "add --stop-token eos or --stop-token-id"
+        raise ArgumentError(f"--missing-eos-penalty needs a stop token: {fix}")
     if args.stop_token == "eos" and tokenizer.eos_token_id is None:
         raise ArgumentError("--stop-token eos: the policy's tokenizer has no eos token; give --stop-token-id")
     if args.stop_token_id is not None and args.stop_token_id >= len(tokenizer):
-        raise ArgumentError(f"--stop-token-id {args.stop_token_id} is not in the policy's {len(tokenizer)} tokens")
+        vocabulary = f"the policy's {len(tokenizer)} tokens"
+        raise ArgumentError(f"--stop-token-id {args.stop_token_id} is not in {vocabulary}")
     if args.seed + 100003 * (world_size - 1) >= 2**32:
         raise ArgumentError(f"--seed must be below 2**32 - 100003 x (processes - 1) (got {args.seed})")
-    if saved is not None and args.total_episodes is None:  # a resumed run keeps the checkpoint's length
+    # a resumed run keeps the checkpoint's length
+    if saved is not None and args.total_episodes is None:
         args.total_episodes = saved["args"]["total_episodes"]
     args.run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
     if args.output_dir is None:
@@ -974,35 +1025,45 @@ def resolve_args(args, world_size, tokenizer, num_prompts, saved=None):
         args.stop_token_id = tokenizer.eos_token_id
     if args.total_episodes is None:
         args.total_episodes = int(args.num_train_epochs * num_prompts)
-    if args.cpu_threads is None:  # accelerate launch sets OMP_NUM_THREADS=1: the cores, shared by the local processes
+    # accelerate launch sets OMP_NUM_THREADS=1: the cores, shared by the local processes
+    if args.cpu_threads is None:
         args.cpu_threads = max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     args.world_size = world_size
-    args.local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
+    micro_batches = args.gradient_accumulation_steps * args.num_mini_batches
+    args.local_batch_size = args.per_device_train_batch_size * micro_batches
     args.batch_size = args.local_batch_size * world_size
     args.local_dataloader_batch_size = args.local_batch_size // args.rloo_k
     args.num_total_batches = math.ceil(args.total_episodes / args.batch_size)
     if args.local_batch_size % args.rloo_k:
         flags = "--per-device-train-batch-size x --gradient-accumulation-steps x --num-mini-batches"
         raise ArgumentError(f"--rloo-k {args.rloo_k} must divide {flags} ({args.local_batch_size})")
-    if num_prompts < (needed := args.local_dataloader_batch_size * world_size):
+    needed = args.local_dataloader_batch_size * world_size
+    if num_prompts < needed:
         raise ArgumentError(f"--dataset-name: one update needs {needed} prompts, there are {num_prompts}")
     if args.total_episodes < args.batch_size:
-        raise ArgumentError(f"--total-episodes {args.total_episodes} is less than one update ({args.batch_size})")
-    if saved is not None and saved["world_size"] != world_size:
-        raise ArgumentError(f"{saved['path']} was written by {saved['world_size']} processes; launch that many")
-    for name in RESUME_FIXED.split() if saved is not None else []:
+        one_update = f"one update ({args.batch_size})"
+        raise ArgumentError(f"--total-episodes {args.total_episodes} is less than {one_update}")
+    if saved is None:
+        return
+    path = saved["path"]
+    if saved["world_size"] != world_size:
+        raise ArgumentError(f"{path} was written by {saved['world_size']} processes; launch that many")
+    for name in RESUME_FIXED.split():
         if saved["args"][name] != getattr(args, name):
-            flag = "--" + name.replace("_", "-")
-            raise ArgumentError(f"{saved['path']} was written with {flag} {saved['args'][name]}; use the same")
+            flag = f"--{name.replace('_', '-')}"
+            raise ArgumentError(f"{path} was written with {flag} {saved['args'][name]}; use the same")
 
 
 def load_reward_fn(spec, rows, args):
-    """Import `module:function` (also from the current directory) and try it on two prompts before models load."""
+    """Import `module:function` (also from the current directory) and try it on two prompts before the models
+    load: a reward function that fails or returns NaN stops the run here."""
     module_name, _, function_name = spec.partition(":")
-    sys.path += [os.getcwd()] if os.getcwd() not in sys.path else []
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
     try:
         fn = getattr(importlib.import_module(module_name), function_name)
-    except Exception as error:  # not found, or the module itself failed (a SyntaxError, an error at import)
+    # not found, or the module itself failed (a SyntaxError, an error at import)
+    except Exception as error:
         raise ArgumentError(f"--reward-fn {spec}: cannot import it ({error}); give module:function") from None
     source = RewardSource(function_name, f"--reward-fn {spec}", fn=fn)
     try:
@@ -1019,165 +1080,209 @@ def load_pretrained(model_class, path, flag, args, **kwargs):
     try:
         return model_class.from_pretrained(path, trust_remote_code=args.trust_remote_code, **kwargs)
     except (OSError, ValueError) as error:
-        raise ArgumentError(f"{flag} {path}: nothing to load ({error!r:.160}); offline: a local directory") from None
+        problem = f"nothing to load ({error!r:.160})"
+        raise ArgumentError(f"{flag} {path}: {problem}; offline: a local directory") from None
 
 
 def load_prompts(args, tokenizer, path, split, flag, limit=None):
-    """The first `limit` usable prompts: (token-id lists, the rows with every column). Text is encoded with the
-    tokenizer's defaults, so a BOS that it adds stays; chat messages go through its chat template."""
+    """The first `limit` usable prompts: (token-id lists, the rows with every column). Text is encoded with
+    the tokenizer's defaults, so a BOS that it adds stays; chat messages go through its chat template."""
     field_name = args.dataset_text_field
+    entries = []  # (where in the dataset, row): every row read
     if path is None:
-        rows = [(f"toy prompt {n}", {field_name: text}) for n, text in enumerate(toy_prompts())]
-    elif path.endswith(".jsonl"):  # read directly: no need for the datasets library (and its memory) here
-        rows, place = [], "the file"
+        entries = [(f"toy prompt {n}", {field_name: text}) for n, text in enumerate(toy_prompts())]
+    elif path.endswith(".jsonl"):
+        # read directly: no need for the datasets library (and its memory) here
+        place = "the file"
         try:
             with open(path, encoding="utf-8") as f:
-                for place, line in ((f"line {n}", line) for n, line in enumerate(f, 1)):
-                    rows += [(place, json.loads(line))] if line.strip() else []
-        except (OSError, ValueError) as error:  # no such file, not UTF-8 (a ValueError too), not JSON
+                for number, line in enumerate(f, 1):
+                    place = f"line {number}"
+                    if line.strip():
+                        entries.append((place, json.loads(line)))
+        except (OSError, ValueError) as error:
+            # no such file, not UTF-8 (a ValueError too), not JSON
             raise ArgumentError(f"{flag} {path}, {place}: {error}") from None
     else:
         import datasets
 
         try:  # a hub dataset, or a directory written by save_to_disk
-            saved = any(os.path.exists(os.path.join(path, name)) for name in ("dataset_info.json", "dataset_dict.json"))
-            dataset = datasets.load_from_disk(path) if saved else datasets.load_dataset(path, split=split)
-            dataset = dataset[split] if isinstance(dataset, datasets.DatasetDict) else dataset
+            markers = ("dataset_info.json", "dataset_dict.json")
+            on_disk = any(os.path.exists(os.path.join(path, name)) for name in markers)
+            if on_disk:
+                dataset = datasets.load_from_disk(path)
+            else:
+                dataset = datasets.load_dataset(path, split=split)
+            if isinstance(dataset, datasets.DatasetDict):
+                dataset = dataset[split]
         except Exception as error:  # datasets raises many kinds; all mean the same to the user
             raise ArgumentError(f"{flag} {path}: cannot load split {split!r} ({error!r:.160})") from None
-        rows = [(f"row {n}", row) for n, row in enumerate(dataset.to_list(), 1)]
-    prompts, kept = [], []
-    for place, row in rows:
-        prompt, where = row.get(field_name) if isinstance(row, dict) else None, f"{flag} {path}, {place}"
+        entries = [(f"row {n}", row) for n, row in enumerate(dataset.to_list(), 1)]
+    prompts = []
+    kept = []  # the rows of the prompts kept
+    for place, row in entries:
+        where = f"{flag} {path}, {place}"
+        prompt = row.get(field_name) if isinstance(row, dict) else None
         if not isinstance(prompt, (str, list)):
-            raise ArgumentError(f"{where}: no text or chat messages in field {field_name!r} (--dataset-text-field)")
+            column = f"field {field_name!r} (--dataset-text-field)"
+            raise ArgumentError(f"{where}: no text or chat messages in {column}")
         if isinstance(prompt, list) and getattr(tokenizer, "chat_template", None) is None:
             raise ArgumentError(f"{where}: chat messages, but the tokenizer has no chat template")
-        try:  # the chat template may refuse messages (jinja's TemplateError, or its own raise_exception())
-            template = functools.partial(tokenizer.apply_chat_template, add_generation_prompt=True, return_dict=False)
-            ids = template(prompt) if isinstance(prompt, list) else tokenizer(prompt)["input_ids"]
+        # the chat template may refuse messages (jinja's TemplateError, or its own raise_exception())
+        try:
+            if isinstance(prompt, list):
+                ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, return_dict=False)
+            else:
+                ids = tokenizer(prompt)["input_ids"]
         except Exception as error:
             raise ArgumentError(f"{where}: the chat template refused it ({error!r:.160})") from None
         if 0 < len(ids) <= args.max_prompt_length:
             prompts.append(list(ids))
             kept.append(row)
     if not prompts:
-        raise ArgumentError(f"{flag} {path}: no prompt within --max-prompt-length {args.max_prompt_length} tokens")
-    if len(kept) < len(rows) and os.environ.get("RANK", "0") == "0":
-        print(f"rloo.py: {flag}: {len(rows) - len(kept)} of {len(rows)} prompts left out (over --max-prompt-length)")
+        longest = f"--max-prompt-length {args.max_prompt_length} tokens"
+        raise ArgumentError(f"{flag} {path}: no prompt within {longest}")
+    left_out = len(entries) - len(kept)
+    if left_out and os.environ.get("RANK", "0") == "0":
+        print(f"rloo.py: {flag}: {left_out} of {len(entries)} prompts left out (over --max-prompt-length)")
     return prompts[:limit], kept[:limit]
 
 
 def load_models(args, tokenizer, longest_prompt, float32_heads):
-    """Policy, reference and reward model (a RewardSource, or None), in float32 whatever the checkpoint's dtype (bf16
-    steps round small updates away; mixed precision is autocast's, or DeepSpeed's with float32 masters). Under ZeRO-3
-    each is loaded already sharded (the Accelerator exists): no rank ever holds a whole model."""
-    if args.sft_model_path:
-        load_policy = functools.partial(load_pretrained, AutoModelForCausalLM, args.sft_model_path, "--sft-model-path")
-        load_policy = functools.partial(load_policy, args, dtype=torch.float32)
-    else:  # the toy's, from the seed
-        load_policy = functools.partial(toy_policy, tokenizer, args.seed)
+    """Policy, reference and reward model (a RewardSource, or None), in float32 whatever the checkpoint's
+    dtype: bf16 steps round small updates away; mixed precision is autocast's, or DeepSpeed's with float32
+    masters. Under ZeRO-3 each is loaded already sharded (the Accelerator exists): no rank holds it whole."""
+
+    def load_policy():
+        if not args.sft_model_path:  # the toy's, from the seed
+            return toy_policy(tokenizer, args.seed)
+        flag = "--sft-model-path"
+        return load_pretrained(AutoModelForCausalLM, args.sft_model_path, flag, args, dtype=torch.float32)
+
     policy = load_policy()
     # the reference is loaded a second time rather than copied (LoRA: none, the policy with its adapters off)
-    ref_policy = None if args.use_peft else load_policy()
-    reward = None
+    ref_policy = None
+    if not args.use_peft:
+        ref_policy = load_policy()
     if args.use_peft:
         from peft import LoraConfig, get_peft_model
 
         sizes = dict(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout)
         targets = args.lora_target_modules or "all-linear"
-        config = LoraConfig(**sizes, target_modules=targets, task_type=args.lora_task_type)
-        torch.manual_seed(args.seed)  # the adapters' initial weights: the same on every rank and in every run
-        try:  # B starts at 0: before the first step the policy computes exactly what its base does
-            policy = get_peft_model(policy, config)
+        lora_config = LoraConfig(**sizes, target_modules=targets, task_type=args.lora_task_type)
+        # the adapters' initial weights: the same on every rank and in every run
+        torch.manual_seed(args.seed)
+        # B starts at 0: before the first step the policy computes exactly what its base does
+        try:
+            policy = get_peft_model(policy, lora_config)
         except ValueError as error:
             raise ArgumentError(f"--lora-target-modules {targets}: {error!r:.160}") from None
-    contexts = [(policy.config, "policy")]  # the longest prompt and a whole completion must fit their positions
+    # the longest prompt and a whole completion must fit the positions of each model that reads them
+    contexts = [(policy.config, "policy")]
+    reward_model = None
+    reward = None
     if args.reward_model_path:
-        load = functools.partial(load_pretrained, path=args.reward_model_path, flag="--reward-model-path", args=args)
-        model = load(AutoModelForSequenceClassification, dtype=torch.float32)
+        path = args.reward_model_path
+        load = functools.partial(load_pretrained, path=path, flag="--reward-model-path", args=args)
+        reward_model = load(AutoModelForSequenceClassification, dtype=torch.float32)
         reward_tokenizer = load(AutoTokenizer)
-        flag = f"--reward-model-path {args.reward_model_path}"
-        if model.config.num_labels != 1:
-            raise ArgumentError(f"{flag}: the reward model has {model.config.num_labels} labels; it needs exactly 1")
+        flag = f"--reward-model-path {path}"
+        labels = reward_model.config.num_labels
+        if labels != 1:
+            raise ArgumentError(f"{flag}: the reward model has {labels} labels; it needs exactly 1")
 
-        # a decoder (a `score` head) with the policy's vocabulary reads the policy's token ids, whose lengths are
-        # known now; any other reads prompt + completion re-encoded by its own tokenizer
-        if hasattr(model, "score") and reward_tokenizer.get_vocab() == tokenizer.get_vocab():
+        # a decoder (a `score` head) with the policy's vocabulary reads the policy's token ids, whose lengths
+        # are known now; any other reads prompt + completion re-encoded by its own tokenizer
+        if hasattr(reward_model, "score") and reward_tokenizer.get_vocab() == tokenizer.get_vocab():
             reward_tokenizer = None
-            contexts.append((model.config, "reward model"))
-        reward = RewardSource("reward_model", flag, model=model, tokenizer=reward_tokenizer)
+            contexts.append((reward_model.config, "reward model"))
+        reward = RewardSource("reward_model", flag, model=reward_model, tokenizer=reward_tokenizer)
+    lengths = f"--response-length {args.response_length} after the longest prompt ({longest_prompt} tokens)"
     for config, name in contexts:
-        if longest_prompt + args.response_length > config.max_position_embeddings:
-            lengths = f"--response-length {args.response_length} after the longest prompt ({longest_prompt} tokens)"
-            raise ArgumentError(f"{lengths} is beyond the {name}'s {config.max_position_embeddings} positions")
-    for model in [model for model in (policy, ref_policy, reward and reward.model) if model is not None]:
+        positions = config.max_position_embeddings
+        if longest_prompt + args.response_length > positions:
+            raise ArgumentError(f"{lengths} is beyond the {name}'s {positions} positions")
+    for model in (policy, ref_policy, reward_model):
+        if model is None:
+            continue
+        # the log-probs of the rollout and of the update must come from the same function
         for module in model.modules():
             if isinstance(module, torch.nn.Dropout):
-                module.p = 0.0  # the log-probs of the rollout and of the update must come from the same function
-        head = getattr(model, "score", None) or model.get_output_embeddings()  # an encoder's classifier: none
+                module.p = 0.0
+        # a reward model's score head, or the unembedding; an encoder's classifier: none
+        head = getattr(model, "score", None) or model.get_output_embeddings()
         if float32_heads and head is not None:
             float32_head(head)
     if args.gradient_checkpointing:
         policy.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        # the frozen embeddings' output must carry gradients through
         if args.use_peft:
-            policy.enable_input_require_grads()  # the frozen embeddings' output must carry gradients through
+            policy.enable_input_require_grads()
     return policy, ref_policy, reward
 
 
 def make_accelerator(args):
-    """The Accelerator (gloo without CUDA: DeepSpeed and DDP on CPUs), its DeepSpeed config completed; and zero3."""
+    """The Accelerator (gloo without CUDA: DeepSpeed and DDP on CPUs), its DeepSpeed config filled; zero3."""
     cpu_group = args.world_size > 1 and not torch.cuda.is_available()
     if cpu_group and os.environ.get("ACCELERATE_USE_DEEPSPEED", "false") != "true":
-        # `accelerate launch --multi_gpu` on a machine without CUDA: unless told it is on CPUs, accelerate sees no
-        # distributed setup, never wraps the policy in DDP, and each rank would train its own copy
+        # `accelerate launch --multi_gpu` on a machine without CUDA: unless told it is on CPUs, accelerate
+        # sees no distributed setup, never wraps the policy in DDP, and each rank would train its own copy
         os.environ["ACCELERATE_USE_CPU"] = "true"
     options = dict(log_with=None if args.report_to == "none" else args.report_to, project_dir=args.output_dir)
     options["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")] if cpu_group else []
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps, **options)
-    kind, processes = accelerator.distributed_type, accelerator.num_processes
+    kind = accelerator.distributed_type
+    processes = accelerator.num_processes
     if processes != args.world_size or (cpu_group and kind == "NO"):
         fix = "launch with --multi_gpu (and ACCELERATE_USE_CPU=true without CUDA) or a DeepSpeed config"
-        raise ArgumentError(f"{args.world_size} processes were launched, but accelerate set up {processes}: {fix}")
+        launched = f"{args.world_size} processes were launched"
+        raise ArgumentError(f"{launched}, but accelerate set up {processes}: {fix}")
     if kind != "DEEPSPEED":
         return accelerator, False
+    micro = args.per_device_train_batch_size
+    steps = args.gradient_accumulation_steps
     ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
-    ds_config["train_micro_batch_size_per_gpu"] = args.per_device_train_batch_size
-    ds_config["gradient_accumulation_steps"] = args.gradient_accumulation_steps
-    ds_config["train_batch_size"] = args.per_device_train_batch_size * args.gradient_accumulation_steps * processes
+    ds_config["train_micro_batch_size_per_gpu"] = micro
+    ds_config["gradient_accumulation_steps"] = steps
+    ds_config["train_batch_size"] = micro * steps * processes
     ds_config["gradient_clipping"] = args.max_grad_norm
-    ds_config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True  # a full state dict to save
-    ds_config["data_types"] = {"grad_accum_dtype": "fp32"}  # not bf16: micro-batches' gradients add up in float32
+    # a full state dict to save
+    ds_config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
+    # not bf16: micro-batches' gradients add up in float32
+    ds_config["data_types"] = {"grad_accum_dtype": "fp32"}
     return accelerator, ds_config["zero_optimization"]["stage"] == 3
 
 
 def prepare_frozen(model, accelerator):
-    """A model that takes no gradient, run under no_grad (requires_grad stays the policy's: PyTorch's linear picks its
-    kernel by it): a DeepSpeed engine without optimizer, sharded like the policy, or a copy."""
+    """A model that takes no gradient, run under no_grad (requires_grad stays the policy's: PyTorch's linear
+    picks its kernel by it): a DeepSpeed engine without optimizer, sharded like the policy, or a copy."""
     model.eval()
     if accelerator.distributed_type != "DEEPSPEED":
         return model.to(accelerator.device)
     import deepspeed
 
     config = dict(accelerator.state.deepspeed_plugin.deepspeed_config, optimizer=None, scheduler=None)
+    # stages 1-2 shard optimizer state only: nothing to shard here
     if config["zero_optimization"]["stage"] != 3:
-        config["zero_optimization"] = {"stage": 0}  # stages 1-2 shard optimizer state only: nothing to shard here
+        config["zero_optimization"] = {"stage": 0}
     engine = deepspeed.initialize(model=model, config={k: v for k, v in config.items() if v is not None})[0]
     engine.eval()  # (a DeepSpeed engine's eval() returns None)
     return engine
 
 
 def prepare_output_dir(args, saved):
-    """Lock --output-dir (`.lock`). A new run refuses a directory that holds another run unless told to delete it;
-    a resume from checkpoint N refuses newer checkpoints, and drops the metrics of updates after N."""
+    """Lock --output-dir (`.lock`). A new run refuses a directory that holds another run unless told to delete
+    it; a resume from checkpoint N refuses newer checkpoints, and drops the metrics of updates after N."""
     out = args.output_dir
     try:
         os.makedirs(out, exist_ok=True)
-        lock = open(os.path.join(out, ".lock"), "a+")  # locked until this process ends, however it ends
+        # locked until this process ends, however it ends
+        lock = open(os.path.join(out, ".lock"), "a+")
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         lock.seek(0)
-        raise ArgumentError(f"--output-dir {out}: another run (pid {lock.read().strip()}) is writing it") from None
+        pid = lock.read().strip()
+        raise ArgumentError(f"--output-dir {out}: another run (pid {pid}) is writing it") from None
     except OSError as error:
         raise ArgumentError(f"--output-dir {out}: cannot write there ({error})") from None
     lock.truncate(0)
@@ -1191,13 +1296,17 @@ def prepare_output_dir(args, saved):
         raise ArgumentError(f"--output-dir {out} holds a run: {fix}")
     if holds_run and saved is not None and not own:
         raise ArgumentError(f"--output-dir {out} holds another run; resume {saved['path']} into an empty one")
-    newer = [os.path.basename(path) for path in checkpoints if own and int(path.split("-")[-1]) > saved["update"]]
-    if newer:
-        raise ArgumentError(f"--resume-from-checkpoint: {', '.join(newer)} are newer; resume `latest` or delete them")
-    for path in checkpoints if saved is None else []:  # --overwrite-output-dir
-        shutil.rmtree(path)
+    if own:
+        newer = [os.path.basename(path) for path in checkpoints if int(path.split("-")[-1]) > saved["update"]]
+        if newer:
+            fix = "resume `latest` or delete them"
+            raise ArgumentError(f"--resume-from-checkpoint: {', '.join(newer)} are newer; {fix}")
+    if saved is None:  # a new run (with --overwrite-output-dir where there was one)
+        for path in checkpoints:
+            shutil.rmtree(path)
     for path in [os.path.join(out, name) for name in ("metrics.jsonl", "eval_completions.jsonl")]:
-        if os.path.exists(path):  # keep the records of the updates the checkpoint holds (a cut last line: none)
+        # keep the records of the updates the checkpoint holds (a cut last line: none); a new run keeps none
+        if os.path.exists(path):
             with open(path) as f:
                 lines = [line for line in f if line.endswith("\n") and saved]
             with open(path + ".tmp", "w") as f:
@@ -1206,19 +1315,20 @@ def prepare_output_dir(args, saved):
 
 
 def checkpoint_dirs(output_dir):
-    """`checkpoint-<update>` directories, oldest first (one still being written is `checkpoint-<update>.tmp`)."""
+    """`checkpoint-<update>` directories, oldest first (one being written is `checkpoint-<update>.tmp`)."""
     names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
     numbered = [name for name in names if name.startswith("checkpoint-") and name[11:].isdigit()]
     return [os.path.join(output_dir, name) for name in sorted(numbered, key=lambda name: int(name[11:]))]
 
 
 def read_checkpoint(args):
-    """trainer_state.json of --resume-from-checkpoint (`latest`: the newest in --output-dir), with its "path"."""
+    """trainer_state.json of --resume-from-checkpoint (`latest`: the newest in --output-dir), plus "path"."""
     path = args.resume_from_checkpoint
     if path == "latest":
         found = checkpoint_dirs(args.output_dir) if args.output_dir else []
         if not found:
-            raise ArgumentError(f"--resume-from-checkpoint latest: no checkpoint in --output-dir {args.output_dir}")
+            where = f"--output-dir {args.output_dir}"
+            raise ArgumentError(f"--resume-from-checkpoint latest: no checkpoint in {where}")
         path = found[-1]
     if path is None:
         return None
@@ -1230,24 +1340,33 @@ def read_checkpoint(args):
 
 
 def resume_or_seed(run, saved):
-    """Resume (weights, optimizer, every rank's random generators: accelerate's load_state), or seed each rank."""
-    accelerator, rank = run.accelerator, run.accelerator.process_index
-    if saved is None:  # each (seed, rank) its own stream, far from the next seed's: seed 42 rank 1 is not seed 43
-        return set_seed(run.args.seed + 100003 * rank)  # python's and numpy's too, for reward functions
-    try:  # load_state skips random states it cannot read, without a word: read them here first
-        torch.load(os.path.join(saved["path"], f"random_states_{rank}.pkl"), weights_only=False)
-        accelerator.load_state(saved["path"])
+    """Resume (weights, optimizer, each rank's random generators: accelerate's load_state), or seed a rank."""
+    accelerator = run.accelerator
+    rank = accelerator.process_index
+    if saved is None:
+        # each (seed, rank) its own stream, far from the next seed's: seed 42 rank 1 is not seed 43; python's
+        # and numpy's too, for reward functions
+        set_seed(run.args.seed + 100003 * rank)
+        return
+    path = saved["path"]
+    # load_state skips random states it cannot read, without a word: read them here first
+    try:
+        torch.load(os.path.join(path, f"random_states_{rank}.pkl"), weights_only=False)
+        accelerator.load_state(path)
     except Exception as error:
-        raise ArgumentError(f"--resume-from-checkpoint {saved['path']}: cannot load it ({error!r:.160})") from None
-    run.start_update, run.history = saved["update"], saved["score_history"]
-    run.skipped_steps, run.consecutive_skips = saved["skipped_steps"], saved["consecutive_skips"]
+        raise ArgumentError(f"--resume-from-checkpoint {path}: cannot load it ({error!r:.160})") from None
+    run.start_update = saved["update"]
+    run.history = saved["score_history"]
+    run.skipped_steps = saved["skipped_steps"]
+    run.consecutive_skips = saved["consecutive_skips"]
 
 
 def batch_indices(args, num_prompts, update, rank):
     """This rank's B prompt indices: its slice of one shuffled order per pass over the prompts."""
     B = args.local_dataloader_batch_size
     batches_per_pass = num_prompts // (B * args.world_size)
-    generator = torch.Generator().manual_seed(args.seed * 100003 + update // batches_per_pass)  # one per (seed, pass)
+    # one order per (seed, pass)
+    generator = torch.Generator().manual_seed(args.seed * 100003 + update // batches_per_pass)
     order = torch.randperm(num_prompts, generator=generator)
     start = ((update % batches_per_pass) * args.world_size + rank) * B
     return order[start : start + B].tolist()
@@ -1255,40 +1374,48 @@ def batch_indices(args, num_prompts, update, rank):
 
 @contextlib.contextmanager
 def generation_context(run):
-    """The model to sample from, and whether ranks must sample in step. Under ZeRO-3 with ds3_gather_for_generation the
-    weights are gathered once per rollout with ZeRO-3's hooks off: they would gather each weight at every step, and
-    ranks stopping at different steps would issue uneven collectives."""
-    run.policy.eval()  # no dropout anyway; eval lets generation use the KV cache under gradient checkpointing
+    """The model to sample from, and whether ranks must sample in step. Under ZeRO-3 with
+    ds3_gather_for_generation the weights are gathered once per rollout with ZeRO-3's hooks off: they would
+    gather each weight at every step, and ranks stopping at different steps would issue uneven collectives."""
+    # no dropout anyway; eval lets generation use the KV cache under gradient checkpointing
+    run.policy.eval()
     model = run.accelerator.unwrap_model(run.policy)
     if not (run.zero3 and run.args.ds3_gather_for_generation):
         yield model, run.zero3  # a sharded model needs every rank in each forward
         return
     import deepspeed
 
-    offload = run.policy.optimizer.parameter_offload  # ZeRO-3's manager of the policy's sharded weights
-    start_of_forward = offload.module._forward_pre_hooks[offload.fwd_pre_hook.id]
+    # ZeRO-3's manager of the policy's sharded weights
+    offload = run.policy.optimizer.parameter_offload
+    module = offload.module
+    start_of_forward = module._forward_pre_hooks[offload.fwd_pre_hook.id]
     with deepspeed.zero.GatheredParameters(list(run.policy.parameters())):
-        # every hook off, the start-of-forward one too: before the first training step it checks with the other
-        # ranks at each forward
+        # every hook off, the start-of-forward one too: before the first training step it checks with the
+        # other ranks at each forward
         for hook in offload.forward_hooks + offload.backward_hooks + [offload.fwd_pre_hook]:
             hook.remove()
-        offload.forward_hooks, offload.backward_hooks = [], []
+        offload.forward_hooks = []
+        offload.backward_hooks = []
         try:
             yield model, False
         finally:  # the hooks back, in their order, before the weights are sharded again
-            offload.fwd_pre_hook = offload.module.register_forward_pre_hook(start_of_forward, prepend=True)
-            offload._register_deepspeed_module(offload.module)
+            offload.fwd_pre_hook = module.register_forward_pre_hook(start_of_forward, prepend=True)
+            offload._register_deepspeed_module(module)
 
 
 @contextlib.contextmanager
 def packed_linears(model, enabled):
-    """On the CPU, float32 nn.Linear layers of 2**18 weights or more (below, MKL is faster) run through oneDNN on
-    weights reordered once per rollout, as torch.compile does: sampling 16 rows, the unembedding is 2.5x faster."""
-    cpu = enabled and torch.backends.mkldnn.is_available() and next(model.parameters()).device.type == "cpu"
+    """On the CPU, float32 nn.Linear layers of 2**18 weights or more (below, MKL is faster) run through
+    oneDNN on weights reordered once per rollout, as torch.compile does: sampling 16 rows, the unembedding is
+    2.5x faster."""
+    on_cpu = next(model.parameters()).device.type == "cpu"
+    usable = enabled and torch.backends.mkldnn.is_available() and on_cpu
     large = [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.numel() >= 2**18]
-    for m in (linears := [m for m in large if cpu and m.weight.dtype == torch.float32]):
+    linears = [m for m in large if usable and m.weight.dtype == torch.float32]
+    linear_pointwise = torch.ops.mkldnn._linear_pointwise
+    for m in linears:
         packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach())
-        m.forward = lambda x, m=m, packed=packed: torch.ops.mkldnn._linear_pointwise(x, packed, m.bias, "none", [], "")
+        m.forward = lambda x, m=m, packed=packed: linear_pointwise(x, packed, m.bias, "none", [], "")
     yield
     for m in linears:
         del m.forward  # nn.Linear's own again
@@ -1297,24 +1424,29 @@ def packed_linears(model, enabled):
 @contextlib.contextmanager
 def reference_model(run):
     """The frozen reference: its own model, or with LoRA the policy itself with its adapters switched off."""
+    if run.ref_policy is not None:
+        yield run.ref_policy
+        return
     policy = run.accelerator.unwrap_model(run.policy)
-    with policy.disable_adapter() if run.ref_policy is None else contextlib.nullcontext():
-        yield policy if run.ref_policy is None else run.ref_policy
+    with policy.disable_adapter():
+        yield policy
 
 
 def optimizer_step(run):
-    """At a mini-batch's end: clip, step unless the norm is not finite (every rank sees the same norm), zero. A step
-    not taken counts in train/skipped_steps, under DeepSpeed too, which clips and steps inside backward."""
+    """At a mini-batch's end: clip, step unless the norm is not finite (every rank sees the same norm), zero.
+    A step not taken counts in train/skipped_steps, under DeepSpeed too (it clips and steps in backward)."""
     accelerator = run.accelerator
     if not accelerator.sync_gradients:
         return
     if accelerator.distributed_type == "DEEPSPEED":
-        # DeepSpeed's verdict: on a non-finite global norm it zeroed the gradients and left weights and optimizer alone
+        # DeepSpeed's verdict: on a non-finite global norm it zeroed the gradients and left weights and
+        # optimizer alone
         norm = run.policy.get_global_grad_norm()
         run.skipped_steps += int(norm is not None and not math.isfinite(norm))
         return
     max_norm = run.args.max_grad_norm or math.inf  # 0: no clipping, but the norm is still checked
-    finite = math.isfinite(accelerator.clip_grad_norm_(run.policy.parameters(), max_norm))  # one host sync
+    # one host sync
+    finite = math.isfinite(accelerator.clip_grad_norm_(run.policy.parameters(), max_norm))
     if finite or accelerator.scaler is not None:
         run.optimizer.step()  # under fp16 the grad scaler itself skips a non-finite step
     run.optimizer.zero_grad()
@@ -1323,34 +1455,48 @@ def optimizer_step(run):
 
 @torch.no_grad()
 def add_stats(stats, loss, clipfrac, new_logprobs, old_logprobs, entropy, mask, token_level):
-    """Add one micro-batch to the metric sums; a "term" is a sequence, or a real token in token mode."""
-    ratio_log = log_ratio(new_logprobs, old_logprobs, mask, not token_level)
+    """Add one micro-batch to the metric sums, by name; a "term" is a sequence (in token mode, a token)."""
+    ratio_log = log_ratio(new_logprobs, old_logprobs, mask, sequence_level=not token_level)
     term_mask = mask if token_level else torch.ones_like(ratio_log, dtype=torch.bool)
-    ratio, terms = ratio_log.exp()[term_mask], term_mask.sum()
-    approxkl, entropy, tokens = 0.5 * (ratio_log[term_mask] ** 2).sum(), entropy[mask].sum(), mask.sum()
-    values = (loss * terms, clipfrac * terms, approxkl, ratio.sum(), (ratio**2).sum(), entropy, terms, tokens)
-    for name, value in zip(STAT_NAMES, values):
-        stats[name] = stats[name] + value
+    terms = term_mask.sum()
+    ratio = ratio_log.exp()[term_mask]
+    stats["loss"] += loss * terms
+    stats["clipfrac"] += clipfrac * terms
+    stats["approxkl"] += 0.5 * (ratio_log[term_mask] ** 2).sum()
+    stats["ratio"] += ratio.sum()
+    stats["ratio_sq"] += (ratio**2).sum()
+    stats["entropy"] += entropy[mask].sum()
+    stats["terms"] += terms
+    stats["tokens"] += mask.sum()
 
 
 def log_metrics(run, update, stats, lr, times, samples):
-    """The update's metrics from its sums, in one all-reduce over every rank (which also tells every rank whether
-    any got a stop signal: returned), to metrics.jsonl, the tracker and the terminal."""
-    args, accelerator, done = run.args, run.accelerator, update + 1
+    """The update's metrics from its sums, in one all-reduce over every rank (which also tells every rank
+    whether any got a stop signal: returned), to metrics.jsonl, the tracker and the terminal."""
+    args = run.args
+    accelerator = run.accelerator
+    device = accelerator.device
+    done = update + 1
     stats["stop_signals"] = len(run.stop_signals)
-    values = torch.stack([torch.as_tensor(v, dtype=torch.float, device=accelerator.device) for v in stats.values()])
-    totals = dict(zip(stats, all_reduce_sum(values).tolist()))
-    n, terms, tokens = args.batch_size, max(totals["terms"], 1.0), max(totals["tokens"], 1.0)
-    t0, t1, t2, t3 = times  # "other" is the time since the previous update's training: metrics, evaluation, saving
-    phases = dict(zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t0 - run.previous_end)))
+    values = torch.stack([torch.as_tensor(v, dtype=torch.float, device=device) for v in stats.values()])
+    totals = dict(zip(stats, all_reduce_sum(values).tolist(), strict=True))
+    n = args.batch_size
+    terms = max(totals["terms"], 1.0)
+    tokens = max(totals["tokens"], 1.0)
+    elapsed = time.perf_counter() - run.start_time
+    t0, t1, t2, t3 = times
+    # where this update's time went; "other" is the time since the previous update's training: metrics,
+    # evaluation, saving
+    phases = {"generation": t1 - t0, "scoring": t2 - t1, "training": t3 - t2, "other": t0 - run.previous_end}
     mean_ratio = totals["ratio"] / terms
     metrics = {
         "update": done,
         "episode": done * n,
-        "eps": (done - run.start_update) * n / max(time.perf_counter() - run.start_time, 1e-9),
+        "eps": (done - run.start_update) * n / max(elapsed, 1e-9),
         "lr": lr,
         "objective/kl": totals["kl"] / n,
-        "objective/entropy": totals["neglogp"] / n,  # of the sampled tokens, summed over each completion
+        # of the sampled tokens, summed over each completion
+        "objective/entropy": totals["neglogp"] / n,
         "objective/non_score_reward": -args.kl_coef * totals["kl"] / n,
         "objective/rlhf_reward": totals["rlhf"] / n,
         "objective/scores": totals["scores"] / n,
@@ -1358,16 +1504,20 @@ def log_metrics(run, update, stats, lr, times, samples):
         "policy/approxkl_avg": totals["approxkl"] / terms,
         "policy/clipfrac_avg": totals["clipfrac"] / terms,
         "loss/policy_avg": totals["loss"] / terms,
-        "policy/entropy_avg": totals["entropy"] / tokens,  # of the full distribution, per real token
+        # of the full distribution, per real token
+        "policy/entropy_avg": totals["entropy"] / tokens,
         "val/ratio": mean_ratio,
         "val/ratio_var": max(totals["ratio_sq"] / terms - mean_ratio**2, 0.0),
         "val/num_eos_tokens": totals["eos"],
-        "frac_reward_zero_std": totals["zero_std"] * args.rloo_k / n,  # of the prompts (n / k of them)
-        **{key: total / n for key, total in totals.items() if key.startswith("rewards/")},  # before weighting
+        # of the prompts (n / k of them)
+        "frac_reward_zero_std": totals["zero_std"] * args.rloo_k / n,
+        # each source's, before weighting
+        **{key: total / n for key, total in totals.items() if key.startswith("rewards/")},
         "train/skipped_steps": run.skipped_steps,
-        **{f"time/{phase}": seconds for phase, seconds in phases.items()},  # where this update's time went
-        "time/tokens_per_second": totals["generated"] / max(t1 - t0, 1e-9),  # generated, over every rank
-        "time/peak_memory_mib": peak_memory_mib(accelerator.device),  # this rank's
+        **{f"time/{phase}": seconds for phase, seconds in phases.items()},
+        # generated, over every rank
+        "time/tokens_per_second": totals["generated"] / max(t1 - t0, 1e-9),
+        "time/peak_memory_mib": peak_memory_mib(device),  # this rank's
     }
     run.phase_totals = {phase: run.phase_totals[phase] + seconds for phase, seconds in phases.items()}
     run.history.append(metrics["objective/scores"])
@@ -1375,42 +1525,76 @@ def log_metrics(run, update, stats, lr, times, samples):
     if accelerator.is_main_process:
         append_lines(args, "metrics.jsonl", [metrics])
         if done % max(1, args.num_total_batches // 20) == 0 or update == run.start_update:
+            # the updates left times this session's seconds per update so far
+            eta = (args.num_total_batches - done) * elapsed / (done - run.start_update)
+            minutes, seconds = divmod(round(eta), 60)
+            progress = f"update {done}/{args.num_total_batches}  eta {minutes}m{seconds:02d}s"
             shown = f"score {metrics['objective/scores']:.3f}  kl {metrics['objective/kl']:.2f}"
-            print(f"update {done}/{args.num_total_batches}  {shown}  eps {metrics['eps']:.1f}")
-        if args.num_sample_generations and done % max(1, args.num_total_batches // args.num_sample_generations) == 0:
-            prompts, completions = (run.tokenizer.batch_decode(ids, skip_special_tokens=True) for ids in samples[:2])
-            print(f"{'prompt':<32} | {'completion':<60} | score")
-            for prompt, completion, score in zip(prompts, completions, samples[2].tolist()):  # control bytes escaped
-                print(f"{repr(prompt)[1:-1][:32]:<32} | {repr(completion)[1:-1][:60]:<60} | {score:.3f}")
+            print(f"{progress}  {shown}  eps {metrics['eps']:.1f}")
+        tables = args.num_sample_generations  # over the run; 0: none
+        if tables and done % max(1, args.num_total_batches // tables) == 0:
+            print_samples(run.tokenizer, samples)
     return totals["stop_signals"] > 0
+
+
+def print_samples(tokenizer, samples):
+    """The sample table: one prompt, then each of its k completions with its score, its reward r, its baseline
+    (the mean reward of the other k-1 completions) and its leave-one-out advantage r - baseline."""
+    rewards = samples["rewards"]  # (k,)
+    baselines = (rewards.sum() - rewards) / (len(rewards) - 1)
+    advantages = rewards - baselines
+    # (k, 4): each completion's score, reward, baseline and advantage
+    table = torch.stack([samples["scores"], rewards, baselines, advantages], dim=1).tolist()
+    prompt = tokenizer.decode(samples["prompt"], skip_special_tokens=True)
+    completions = tokenizer.batch_decode(samples["completions"], skip_special_tokens=True)
+    # repr escapes control bytes (a newline, a terminal's escape sequences)
+    print(f"prompt: {repr(prompt)[1:-1][:110]}")
+    print(f"baseline: the mean reward of the other {len(rewards) - 1}; advantage: reward - baseline")
+    print(f"{'completion':<60} | score   | reward  | baseline | advantage")
+    for completion, (score, reward, baseline, advantage) in zip(completions, table, strict=True):
+        numbers = f"{score:7.3f} | {reward:7.3f} | {baseline:8.3f} | {advantage:9.3f}"
+        print(f"{repr(completion)[1:-1][:60]:<60} | {numbers}")
 
 
 @torch.no_grad()
 def evaluate(run, update):
-    """Held-out evaluation after `update`: steps 1, 2, 4 and 5 at eval_temperature, sampling from a generator of its
-    own. The prompts are shared out among the ranks, padded to equal counts so that sharded forwards stay in step."""
-    args, accelerator, tokenizer, total = run.args, run.accelerator, run.tokenizer, len(run.eval_prompts)
-    device, rank, per_rank = accelerator.device, accelerator.process_index, math.ceil(total / args.world_size)
+    """Held-out evaluation after `update`: steps 1, 2, 4 and 5 at eval_temperature, sampling from a generator
+    of its own. The prompts are shared out among the ranks and padded to equal counts, so that sharded
+    forwards stay in step."""
+    args = run.args
+    accelerator = run.accelerator
+    tokenizer = run.tokenizer
+    device = accelerator.device
+    rank = accelerator.process_index
+    total = len(run.eval_prompts)
+    per_rank = math.ceil(total / args.world_size)
     mine = list(range(rank * per_rank, min((rank + 1) * per_rank, total)))
-    indices = (mine + [0] * per_rank)[:per_rank]
-    queries, query_mask = pad_batch([run.eval_prompts[i] for i in indices], tokenizer.pad_token_id, device=device)
+    indices = (mine + [0] * per_rank)[:per_rank]  # padded with prompt 0
+    prompts = [run.eval_prompts[i] for i in indices]
+    queries, query_mask = pad_batch(prompts, tokenizer.pad_token_id, device=device)
     generator = torch.Generator(device).manual_seed(args.seed + 100003 * rank + update)
-    responses, response_mask = rollout(run, queries, query_mask, args.eval_temperature, generator)
+    responses, response_mask = rollout(run, queries, query_mask, args.eval_temperature, generator=generator)
     rows = [run.eval_rows[i] for i in indices]
     scores, rewards = score_completions(run, rows, queries, query_mask, responses, response_mask)
-    lengths, eos = response_mask.sum(1).float(), ((responses == tokenizer.eos_token_id) & response_mask).sum(1).float()
-    sums = {"eval/scores": scores, "eval/completion_length": lengths, "eval/num_eos_tokens": eos}
-    sums |= {f"eval/rewards/{name}": values for name, values in rewards.items()}
+    lengths = response_mask.sum(1).float()
+    eos = ((responses == tokenizer.eos_token_id) & response_mask).sum(1).float()
+    per_completion = {"eval/scores": scores, "eval/completion_length": lengths, "eval/num_eos_tokens": eos}
+    per_completion |= {f"eval/rewards/{name}": values for name, values in rewards.items()}
     real = torch.arange(per_rank, device=device) < len(mine)  # (per_rank,) not padding
-    totals = all_reduce_sum(torch.stack([torch.where(real, values, 0.0).sum() for values in sums.values()])).tolist()
-    metrics = {"update": update} | {key: value / total for key, value in zip(sums, totals)}
+    sums = torch.stack([torch.where(real, values, 0.0).sum() for values in per_completion.values()])
+    totals = all_reduce_sum(sums).tolist()
+    metrics = {"update": update}
+    for name, value in zip(per_completion, totals, strict=True):
+        metrics[name] = value / total
     metrics["eval/num_eos_tokens"] *= total  # a count over the evaluation, like val/num_eos_tokens
     completions = tokenizer.batch_decode(responses, skip_special_tokens=True)
     records = [
         dict(update=update, prompt=row[args.dataset_text_field], completion=text, score=score)
-        for row, text, score in zip(rows, completions, scores.tolist())
+        for row, text, score in zip(rows, completions, scores.tolist(), strict=True)
     ]
-    records = gather_object(records[: len(mine)]) if args.world_size > 1 else records[: len(mine)]
+    records = records[: len(mine)]  # this rank's prompts, without the padding
+    if args.world_size > 1:
+        records = gather_object(records)
     if accelerator.is_main_process:
         append_lines(args, "metrics.jsonl", [metrics])
         append_lines(args, "eval_completions.jsonl", records)
@@ -1419,20 +1603,26 @@ def evaluate(run, update):
 
 def end_of_update(run, update, stopping):
     """The evaluation and the checkpoint when due; a stop after 3 skipped updates in a row, or on a signal."""
-    args, done = run.args, update + 1
+    args = run.args
+    done = update + 1
     if args.eval_steps and (done % args.eval_steps == 0 or done == args.num_total_batches):
         evaluate(run, done)
     if run.consecutive_skips >= 3:  # no checkpoint: the weights themselves may have diverged
-        fix = "check the reward; or lower --learning-rate, raise --temperature, and resume from an earlier checkpoint"
-        raise SystemExit(f"rloo.py: error: updates {done - 2}-{done} had scores or log-probs not finite: {fix}")
+        fix = "check the reward; or lower --learning-rate, raise --temperature,"
+        fix += " and resume from an earlier checkpoint"
+        updates = f"updates {done - 2}-{done}"
+        raise SystemExit(f"rloo.py: error: {updates} had scores or log-probs not finite: {fix}")
     if done % args.save_steps == 0 or done == args.num_total_batches or stopping:
         save_checkpoint(run, done)
-    if stopping:
-        number = run.stop_signals[0] if run.stop_signals else signal.SIGTERM  # another rank's signal: stop alike
-        if run.accelerator.is_main_process:
-            resume = f"resume with --output-dir {args.output_dir} --resume-from-checkpoint latest"
-            print(f"rloo.py: stopped by {signal.Signals(number).name} after update {done}; {resume}", file=sys.stderr)
-        sys.exit(128 + number)  # 130 for SIGINT, 143 for SIGTERM
+    if not stopping:
+        return
+    # another rank's signal: stop alike
+    number = run.stop_signals[0] if run.stop_signals else signal.SIGTERM
+    if run.accelerator.is_main_process:
+        stopped = f"rloo.py: stopped by {signal.Signals(number).name} after update {done}"
+        resume = f"resume with --output-dir {args.output_dir} --resume-from-checkpoint latest"
+        print(f"{stopped}; {resume}", file=sys.stderr)
+    sys.exit(128 + number)  # 130 for SIGINT, 143 for SIGTERM
 
 
 def append_lines(args, name, records):
@@ -1441,9 +1631,10 @@ def append_lines(args, name, records):
 
 
 def save_checkpoint(run, update):
-    """accelerate's save_state (weights, optimizer, every rank's random generators) and the counters, into a .tmp
-    directory renamed when whole: a crash mid-save leaves the previous checkpoint intact."""
-    accelerator, args = run.accelerator, run.args
+    """accelerate's save_state (weights, optimizer, every rank's random generators) and the counters, into a
+    .tmp directory renamed when whole: a crash mid-save leaves the previous checkpoint intact."""
+    accelerator = run.accelerator
+    args = run.args
     final = os.path.join(args.output_dir, f"checkpoint-{update}")
     if accelerator.is_main_process:
         shutil.rmtree(final + ".tmp", ignore_errors=True)  # left by a run killed while saving
@@ -1457,21 +1648,28 @@ def save_checkpoint(run, update):
             json.dump(state, f)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(final + ".tmp", final)
-        for old in checkpoint_dirs(args.output_dir)[: -args.save_total_limit] if args.save_total_limit else []:
-            shutil.rmtree(old)
+        if args.save_total_limit:
+            for old in checkpoint_dirs(args.output_dir)[: -args.save_total_limit]:
+                shutil.rmtree(old)
     accelerator.wait_for_everyone()
 
 
 def save_final_model(run):
     """The final policy as a save_pretrained directory (with LoRA: the adapter), then the closing line."""
-    accelerator, args, model = run.accelerator, run.args, run.accelerator.unwrap_model(run.policy)
-    state_dict = accelerator.get_state_dict(run.policy)  # under ZeRO-3, gathers the full weights from every rank
-    if accelerator.distributed_type == "DEEPSPEED":  # it trains bf16 copies of float32 masters: save the masters
+    accelerator = run.accelerator
+    args = run.args
+    model = accelerator.unwrap_model(run.policy)
+    # under ZeRO-3, gathers the full weights from every rank
+    state_dict = accelerator.get_state_dict(run.policy)
+    # DeepSpeed trains bf16 copies of float32 masters: save the masters
+    if accelerator.distributed_type == "DEEPSPEED":
         from deepspeed.utils import safe_get_full_fp32_param
 
         masters = {}  # by storage, so that a tied weight's other name gets the same tensor
         for name, param in model.named_parameters():
-            master = safe_get_full_fp32_param(param) if param.requires_grad else None  # every rank gathers it
+            if not param.requires_grad:
+                continue
+            master = safe_get_full_fp32_param(param)  # every rank gathers it
             if master is not None and accelerator.is_main_process:
                 masters[state_dict[name].data_ptr()] = master.cpu()
         if accelerator.is_main_process:
@@ -1479,20 +1677,24 @@ def save_final_model(run):
     if accelerator.is_main_process:
         model.save_pretrained(args.output_dir, state_dict=state_dict)
         run.tokenizer.save_pretrained(args.output_dir)
-        if accelerator.distributed_type == "DEEPSPEED" and not args.use_peft:  # it wrote the bf16 copies' dtype
+        # DeepSpeed wrote the bf16 copies' dtype
+        if accelerator.distributed_type == "DEEPSPEED" and not args.use_peft:
             model.config.dtype = "float32"
             model.config.to_json_file(os.path.join(args.output_dir, "config.json"))
     accelerator.wait_for_everyone()
     accelerator.end_training()
-    if accelerator.is_main_process and run.history:  # the closing line: speed, where the time went, the score's rise
-        session = now(accelerator.device) - run.start_time
-        updates, totals = args.num_total_batches - run.start_update, run.phase_totals
-        shares = ", ".join(f"{p} {100 * totals[p] / max(sum(totals.values()), 1e-9):.0f}%" for p in PHASES)
-        speed = f"{updates * args.batch_size / session:.1f} episodes/s, {sum(totals.values()) / updates:.3f} s/update"
-        tenth, took = max(1, len(run.history) // 10), f"done in {session:.0f}s"
-        score = f"{sum(run.history[:tenth]) / tenth:.3f} (first tenth) -> {sum(run.history[-tenth:]) / tenth:.3f}"
-        memory = f"peak memory {peak_memory_mib(accelerator.device):.0f} MiB"
-        print(f"{took}: {speed} ({shares}), {memory}; mean score {score} (last tenth)")
+    if not (accelerator.is_main_process and run.history):
+        return
+    # the closing line: speed, where the time went, the score's rise
+    session = now(accelerator.device) - run.start_time
+    updates = args.num_total_batches - run.start_update
+    phase_seconds = sum(run.phase_totals.values())
+    shares = ", ".join(f"{p} {100 * run.phase_totals[p] / max(phase_seconds, 1e-9):.0f}%" for p in PHASES)
+    speed = f"{updates * args.batch_size / session:.1f} episodes/s, {phase_seconds / updates:.3f} s/update"
+    tenth = max(1, len(run.history) // 10)
+    score = f"{sum(run.history[:tenth]) / tenth:.3f} (first tenth) -> {sum(run.history[-tenth:]) / tenth:.3f}"
+    memory = f"peak memory {peak_memory_mib(accelerator.device):.0f} MiB"
+    print(f"done in {session:.0f}s: {speed} ({shares}), {memory}; mean score {score} (last tenth)")
 
 
 def now(device):
@@ -1502,8 +1704,8 @@ def now(device):
 
 
 def peak_memory_mib(device):
-    """On CUDA the allocator's peak reserved memory (what the process holds on the card, its cache included); on the
-    CPU the process's peak resident set size (Linux reports it in KiB)."""
+    """On CUDA the allocator's peak reserved memory (what the process holds on the card, its cache included);
+    on the CPU the process's peak resident set size (Linux reports it in KiB)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_reserved() / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
