@@ -864,7 +864,8 @@ class Run:
 
 PHASES = ("generation", "scoring", "training", "other")
 # the sums that add_stats adds to, by name (train() starts them at 0.0 each update)
-STAT_NAMES = ("loss", "clipfrac", "approxkl", "ratio", "ratio_sq", "entropy", "terms", "tokens")
+STAT_NAMES = ("loss", "clipfrac", "clipfrac_low", "clipfrac_high", "approxkl", "ratio", "ratio_sq", "entropy")
+STAT_NAMES += ("terms", "tokens")
 # the lock this process holds on its output directory (an open file), released when main() ends
 LOCKS = []
 
@@ -972,10 +973,10 @@ AT_LEAST_1 = """response_length max_prompt_length per_device_train_batch_size gr
 lora_r num_mini_batches num_ppo_epochs save_steps local_rollout_forward_batch_size save_total_limit
 cpu_threads"""
 AT_LEAST_0 = """seed stop_token_id kl_coef max_grad_norm num_sample_generations eval_steps eval_temperature
-lora_dropout"""
+lora_dropout top_k"""
 AT_LEAST = dict(rloo_k=2, total_episodes=1, num_eval_prompts=1, missing_eos_penalty=0, learning_rate=0)
 AT_LEAST |= dict.fromkeys(AT_LEAST_1.split(), 1) | dict.fromkeys(AT_LEAST_0.split(), 0)
-ABOVE_0 = "temperature cliprange reward_clip_range num_train_epochs lora_alpha".split()
+ABOVE_0 = "temperature cliprange cliprange_high reward_clip_range num_train_epochs lora_alpha top_p".split()
 
 
 # what sets the prompts, their order, the batch and the run's length: a resume must keep these flags (others
@@ -1003,9 +1004,15 @@ def resolve_args(args, world_size, tokenizer, num_prompts, saved=None):
     if args.reward_weights is not None and len(args.reward_weights) != sources:
         order = "the reward model's first, then each --reward-fn's"
         raise ArgumentError(f"--reward-weights: give {sources}, {order}")
-    if args.missing_eos_penalty is not None and args.stop_token is None and args.stop_token_id is None:
+    if args.top_p > 1:
+        raise ArgumentError(f"--top-p must be at most 1 (got {args.top_p})")
+    no_stop_token = args.stop_token is None and args.stop_token_id is None
+    if args.missing_eos_penalty is not None and no_stop_token:
         fix = "add --stop-token eos or --stop-token-id"
         raise ArgumentError(f"--missing-eos-penalty needs a stop token: {fix}")
+    if args.mask_truncated_completions and no_stop_token:
+        fix = "add --stop-token eos or --stop-token-id: without one, every completion is truncated"
+        raise ArgumentError(f"--mask-truncated-completions needs a stop token: {fix}")
     if args.stop_token == "eos" and tokenizer.eos_token_id is None:
         raise ArgumentError("--stop-token eos: the policy's tokenizer has no eos token; give --stop-token-id")
     if args.stop_token_id is not None and args.stop_token_id >= len(tokenizer):
@@ -1160,9 +1167,10 @@ def load_models(args, tokenizer, longest_prompt, float32_heads):
         return load_pretrained(AutoModelForCausalLM, args.sft_model_path, flag, args, dtype=torch.float32)
 
     policy = load_policy()
-    # the reference is loaded a second time rather than copied (LoRA: none, the policy with its adapters off)
+    # the reference is loaded a second time rather than copied (LoRA: none, the policy with its adapters off;
+    # kl_coef 0: none at all)
     ref_policy = None
-    if not args.use_peft:
+    if not args.use_peft and args.kl_coef > 0:
         ref_policy = load_policy()
     if args.use_peft:
         from peft import LoraConfig, get_peft_model
@@ -1454,14 +1462,18 @@ def optimizer_step(run):
 
 
 @torch.no_grad()
-def add_stats(stats, loss, clipfrac, new_logprobs, old_logprobs, entropy, mask, token_level):
-    """Add one micro-batch to the metric sums, by name; a "term" is a sequence (in token mode, a token)."""
+def add_stats(stats, loss, clipfracs, new_logprobs, old_logprobs, entropy, mask, token_level):
+    """Add one micro-batch to the metric sums, by name; a "term" is a sequence (in token mode, a token).
+    clipfracs: policy_loss's fractions of clipped terms, in all, at the lower and at the upper bound."""
+    clipfrac, clipfrac_low, clipfrac_high = clipfracs
     ratio_log = log_ratio(new_logprobs, old_logprobs, mask, sequence_level=not token_level)
     term_mask = mask if token_level else torch.ones_like(ratio_log, dtype=torch.bool)
     terms = term_mask.sum()
     ratio = ratio_log.exp()[term_mask]
     stats["loss"] += loss * terms
     stats["clipfrac"] += clipfrac * terms
+    stats["clipfrac_low"] += clipfrac_low * terms
+    stats["clipfrac_high"] += clipfrac_high * terms
     stats["approxkl"] += 0.5 * (ratio_log[term_mask] ** 2).sum()
     stats["ratio"] += ratio.sum()
     stats["ratio_sq"] += (ratio**2).sum()
@@ -1494,7 +1506,6 @@ def log_metrics(run, update, stats, lr, times, samples):
         "episode": done * n,
         "eps": (done - run.start_update) * n / max(elapsed, 1e-9),
         "lr": lr,
-        "objective/kl": totals["kl"] / n,
         # of the sampled tokens, summed over each completion
         "objective/entropy": totals["neglogp"] / n,
         "objective/non_score_reward": -args.kl_coef * totals["kl"] / n,
@@ -1503,12 +1514,18 @@ def log_metrics(run, update, stats, lr, times, samples):
         "objective/scores_clipped_frac": totals["clipped"] / n,
         "policy/approxkl_avg": totals["approxkl"] / terms,
         "policy/clipfrac_avg": totals["clipfrac"] / terms,
+        "policy/clipfrac_low": totals["clipfrac_low"] / terms,
+        "policy/clipfrac_high": totals["clipfrac_high"] / terms,
         "loss/policy_avg": totals["loss"] / terms,
         # of the full distribution, per real token
         "policy/entropy_avg": totals["entropy"] / tokens,
         "val/ratio": mean_ratio,
         "val/ratio_var": max(totals["ratio_sq"] / terms - mean_ratio**2, 0.0),
         "val/num_eos_tokens": totals["eos"],
+        # completions that ran out of room (response_length without the stop token), and the lengths
+        "completions/clipped_ratio": totals["truncated"] / n,
+        "completions/mean_length": totals["generated"] / n,
+        "completions/mean_terminated_length": totals["terminated_tokens"] / max(totals["terminated"], 1.0),
         # of the prompts (n / k of them)
         "frac_reward_zero_std": totals["zero_std"] * args.rloo_k / n,
         # each source's, before weighting
@@ -1519,6 +1536,9 @@ def log_metrics(run, update, stats, lr, times, samples):
         "time/tokens_per_second": totals["generated"] / max(t1 - t0, 1e-9),
         "time/peak_memory_mib": peak_memory_mib(device),  # this rank's
     }
+    # at kl_coef 0 no reference runs: a KL of 0 would claim a measurement that was not made
+    if args.kl_coef > 0:
+        metrics["objective/kl"] = totals["kl"] / n
     run.phase_totals = {phase: run.phase_totals[phase] + seconds for phase, seconds in phases.items()}
     run.history.append(metrics["objective/scores"])
     accelerator.log(metrics, step=metrics["episode"])
@@ -1529,7 +1549,9 @@ def log_metrics(run, update, stats, lr, times, samples):
             eta = (args.num_total_batches - done) * elapsed / (done - run.start_update)
             minutes, seconds = divmod(round(eta), 60)
             progress = f"update {done}/{args.num_total_batches}  eta {minutes}m{seconds:02d}s"
-            shown = f"score {metrics['objective/scores']:.3f}  kl {metrics['objective/kl']:.2f}"
+            shown = f"score {metrics['objective/scores']:.3f}"
+            if args.kl_coef > 0:
+                shown += f"  kl {metrics['objective/kl']:.2f}"
             print(f"{progress}  {shown}  eps {metrics['eps']:.1f}")
         tables = args.num_sample_generations  # over the run; 0: none
         if tables and done % max(1, args.num_total_batches // tables) == 0:
@@ -1575,7 +1597,8 @@ def evaluate(run, update):
     generator = torch.Generator(device).manual_seed(args.seed + 100003 * rank + update)
     responses, response_mask = rollout(run, queries, query_mask, args.eval_temperature, generator=generator)
     rows = [run.eval_rows[i] for i in indices]
-    scores, rewards = score_completions(run, rows, queries, query_mask, responses, response_mask)
+    stopped = ((responses == args.stop_token_id) & response_mask).any(1)
+    scores, rewards = score_completions(run, rows, queries, query_mask, responses, response_mask, stopped)
     lengths = response_mask.sum(1).float()
     eos = ((responses == tokenizer.eos_token_id) & response_mask).sum(1).float()
     per_completion = {"eval/scores": scores, "eval/completion_length": lengths, "eval/num_eos_tokens": eos}

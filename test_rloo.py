@@ -4,10 +4,12 @@ The unit tests (no `slow` mark) check the trainer's math against numbers derived
 written here, never against output copied from a run, and the checks of bad input, in this process. Every test that
 starts a process is marked `slow`: two gloo processes for the distributed statistics, and rloo.py itself, on one
 process (`python rloo.py`, or the README's command under `accelerate launch`) and on two under DeepSpeed ZeRO-3 and
-DDP, on the CPU over gloo, with tiny local models. No GPU, no network:
+DDP, on the CPU over gloo, with tiny local models; no network. The `gpu` tier (deselected by default, skipped
+without CUDA) runs rloo.py on one CUDA GPU in bf16:
 
-    HF_HUB_OFFLINE=1 python -m pytest -q -m "not slow" test_rloo.py     # the fast tier
-    HF_HUB_OFFLINE=1 python -m pytest -q test_rloo.py                   # everything, as CI runs it
+    HF_HUB_OFFLINE=1 python -m pytest -q -m "not slow and not gpu" test_rloo.py     # the fast tier
+    HF_HUB_OFFLINE=1 python -m pytest -q test_rloo.py                               # all but the gpu tier, as CI
+    HF_HUB_OFFLINE=1 python -m pytest -q -m gpu -x -s test_rloo.py                  # the gpu tier, on CUDA
 """
 
 import copy
@@ -1186,7 +1188,7 @@ def test_reward_model_with_another_tokenizer_scores_the_same_tokens(workdir, loc
     assert other["objective/scores"] == pytest.approx(same["objective/scores"], rel=1e-5, abs=1e-6)
     # and what it scored is prompt + completion + eos (where the completion stopped), as its own forward reads it
     call, eos = read_calls(workdir / "local_calls", "vowels")[0], rloo.toy_tokenizer().eos_token
-    texts = [p + c + (eos if len(c) < 3 else "") for p, c in zip(call["prompts"], call["completions"])]
+    texts = [p + c + (eos if len(c) < 3 else "") for p, c in zip(call["prompts"], call["completions"], strict=True)]
     expected = statistics.mean(reward_model_scores(workdir / "reward_other_tokenizer", texts))
     assert other["rewards/reward_model"] == pytest.approx(expected, rel=1e-5, abs=1e-6)
     assert other["rewards/vowels"] == pytest.approx(statistics.mean(call["scores"]))
@@ -1237,14 +1239,16 @@ def test_reward_fn_stop_token_missing_eos_penalty_and_checkpoints(workdir, tmp_p
     assert sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-4"]
     calls, metrics, saw_both = read_calls(log, "vowels"), read_metrics(tmp_path / "out"), set()
     assert len(calls) == 4
-    for call, m in zip(calls, metrics):
+    for call, m in zip(calls, metrics, strict=True):
         # k-major: the 2 prompts of the update, each repeated k = 4 times in the same order
         assert call["prompts"] == call["prompts"][:2] * 4 and call["prompts"][0] in rloo.toy_prompts()
         assert [float(sum(c in "aeiou" for c in text)) for text in call["completions"]] == call["scores"]
         for text in call["completions"]:
             assert "e" not in text[:-1]  # truncated after the first stop token, which is kept
             saw_both.add(text.endswith("e"))
-        expected = [s - 2.5 * (not text.endswith("e")) for s, text in zip(call["scores"], call["completions"])]
+        expected = [
+            s - 2.5 * (not text.endswith("e")) for s, text in zip(call["scores"], call["completions"], strict=True)
+        ]
         assert m["objective/scores"] == pytest.approx(sum(expected) / len(expected), abs=1e-5)
     assert saw_both == {True, False}
 
@@ -1303,7 +1307,7 @@ def test_reward_functions_see_columns_and_chat_prompts_and_are_weighted(workdir,
     calls, other, metrics = read_calls(log, "columns"), read_calls(log, "vowels"), read_metrics(tmp_path / "out")
     assert len(calls) == len(other) == len(metrics) == 4
     tags = {json.dumps(row["messages"]): row["tag"] for row in rows}
-    for call, vowel_call, m in zip(calls, other, metrics):
+    for call, vowel_call, m in zip(calls, other, metrics, strict=True):
         # chat prompts arrive as their messages; every column arrives aligned with its prompt, k-major
         assert all(isinstance(p, list) and p[0]["role"] == "user" for p in call["prompts"])
         assert call["answer"] == [len(p[0]["content"]) for p in call["prompts"]]
@@ -1320,7 +1324,7 @@ def test_encoder_reward_model_scores_with_its_own_special_tokens(workdir, tmp_pa
     flags = ["--reward-model-path", "reward_bert", "--reward-fn", "test_rewards:vowels", "--reward-weights", "2", "0"]
     launch(workdir, tmp_path / "out", *flags, *SHORT, env={"RLOO_TEST_LOG": str(log)})
     call, first = read_calls(log, "vowels")[0], read_metrics(tmp_path / "out")[0]
-    texts = [p + c for p, c in zip(call["prompts"], call["completions"])]
+    texts = [p + c for p, c in zip(call["prompts"], call["completions"], strict=True)]
     expected = statistics.mean(reward_model_scores(workdir / "reward_bert", texts))
     assert first["rewards/reward_model"] == pytest.approx(expected, rel=1e-5, abs=1e-6)
     assert first["objective/scores"] == pytest.approx(2 * expected, rel=1e-5, abs=1e-6)
@@ -1397,7 +1401,7 @@ def assert_resumed_run_matches(full_dir, resumed_dir, exact=True):
     full, resumed = read_metrics(full_dir, "all"), read_metrics(resumed_dir, "all")
     # none missing, none repeated: the updates, and the evaluations on their schedule
     assert [(m["update"], "episode" in m) for m in resumed] == [(m["update"], "episode" in m) for m in full]
-    for a, b in zip(full, resumed):
+    for a, b in zip(full, resumed, strict=True):
         for key in ["objective/scores", "objective/kl", "loss/policy_avg"] if "episode" in a else ["eval/scores"]:
             assert a[key] == b[key] if exact else a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5)
     for name, tensor in load_weights(full_dir).items():
@@ -1676,7 +1680,7 @@ def test_gathered_generation_makes_no_collective_while_sampling(workdir, scale_r
     assert steps[0] != steps[1]  # the ranks sampled different numbers of tokens, and never waited for each other
     # the control: on the sharded model, every sampled token follows collectives (gathers, the synced stop check)
     sharded = [count for kind, count in read_events(workdir, "zero3_sharded", 0) if kind == "sample"]
-    assert all(b > a for a, b in zip(sharded, sharded[1:]))
+    assert all(b > a for a, b in zip(sharded, sharded[1:], strict=False))
     stderr = scale_runs[1]["zero3"].stderr  # with --gradient-checkpointing and PYTHONWARNINGS=default
     assert "gradient_checkpointing_enable" not in stderr and not re.search(r"rloo\.py:\d+: \w*Warning", stderr)
 
@@ -1885,3 +1889,243 @@ def test_gradient_accumulation_gives_the_gradient_of_one_micro_batch(workdir, tm
     assert lengths[0] == lengths[1] and lengths[0] not in (1.0, 8.0)  # the same rollout, of uneven lengths
     for accumulated, one in zip(gradients[0], gradients[1], strict=True):
         assert_close(accumulated, one, rtol=1e-4, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 16. the GPU tier: CUDA, bf16, one GPU (`-m gpu`; deselected by default, skipped without CUDA). One GPU runs no
+# collective between ranks: NCCL across GPUs stays unverified here.
+
+gpu = pytest.mark.gpu
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+
+# a rank's sitecustomize: deterministic algorithms (an op without a deterministic CUDA kernel warns, naming itself), or
+# a count of host-device synchronizations (the sync debug mode warns at each) by metrics.jsonl's size then: per update
+GPU_SITE = """
+import atexit, collections, json, os, warnings
+if "RANK" in os.environ and os.environ.get("RLOO_TEST_DETERMINISTIC"):  # the ranks, not the launcher
+    import torch
+    torch.use_deterministic_algorithms(True, warn_only=True)
+if "RANK" in os.environ and os.environ.get("RLOO_TEST_SYNCS"):
+    import torch
+    metrics, counts, show = os.environ["RLOO_TEST_SYNCS"], collections.Counter(), warnings.showwarning
+
+    def count(message, *args, **kwargs):
+        if "synchronizing CUDA operation" not in str(message):
+            return show(message, *args, **kwargs)
+        counts[os.path.getsize(metrics) if os.path.exists(metrics) else 0] += 1
+
+    warnings.showwarning = count
+    warnings.filterwarnings("always", message="called a synchronizing CUDA operation")
+    torch.cuda.set_sync_debug_mode("warn")
+    atexit.register(lambda: open(metrics + ".syncs", "w").write(json.dumps(list(counts.items()))))
+"""
+
+
+@pytest.fixture(scope="session")
+def gpu_site(tmp_path_factory):
+    site = tmp_path_factory.mktemp("gpu_site")
+    (site / "sitecustomize.py").write_text(GPU_SITE + POISON)
+    return site
+
+
+def gpu_launch(cwd, output, *flags, zero3=False, site=None, env=None):
+    """rloo.py under `accelerate launch` on one GPU in bf16 (zero3: ds_zero3.yaml), without the CPU tests'
+    DS_ACCELERATOR=cpu; `site` leads PYTHONPATH and the inherited one (the device check's wheels) follows it."""
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", "1", "--num_processes", "1"]
+    command += ["--mixed_precision", "bf16", "--dynamo_backend", "no"]
+    command += ["--config_file", str(ROOT / "ds_zero3.yaml")] if zero3 else []
+    path = [str(p) for p in (site, cwd) if p] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    run_env = subprocess_env(os.pathsep.join(path), DS_ACCELERATOR=None, **(env or {}))
+    command += [RLOO_PY, "--output-dir", str(output), *flags]
+    proc = subprocess.run(command, cwd=cwd, env=run_env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"rloo.py failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    assert "CPU threads" not in proc.stdout  # its header names CPU threads only when it runs on the CPU
+    return proc
+
+
+def filler_tokenizer(size):
+    """rloo.toy_tokenizer's characters, filler tokens `<n>` up to a real model's vocabulary size, then pad, eos and
+    unk (last, as eos_likely expects); built in memory."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    tokens = [chr(c) for c in range(32, 127)] + ["\n"]
+    tokens += [f"<{n}>" for n in range(size - len(tokens) - 3)] + ["<|pad|>", "<|endoftext|>", "<|unk|>"]
+    inner = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[], unk_token="<|unk|>"))
+    inner.decoder = decoders.Fuse()
+    special = dict(pad_token="<|pad|>", eos_token="<|endoftext|>", unk_token="<|unk|>")
+    return PreTrainedTokenizerFast(tokenizer_object=inner, padding_side="left", **special)
+
+
+def all_finite(metrics):
+    return all(set(METRIC_NAMES) <= set(m) and all(math.isfinite(m[name]) for name in METRIC_NAMES) for m in metrics)
+
+
+@gpu
+@cuda
+def test_cuda_sampling_never_draws_a_zero_probability_token_and_matches_multinomial():
+    """rloo.sample_tokens (a uniform number searched in the softmax's cumulative sum): (64, 151936) logits at
+    temperature 0.3, a third of them -inf (the first and last ids too), 16 copies of each row x 1024 draws =
+    16,384 draws a row, 1,048,576 in all; torch.multinomial draws as many."""
+    rows, V, copies, steps, temperature, device = 64, 151936, 16, 1024, 0.3, "cuda"
+    g = torch.Generator(device).manual_seed(0)
+    scale = torch.linspace(0.3, 1.5, rows, device=device)[:, None]  # logits / 0.3 from N(0, 1) (flat) to N(0, 25)
+    logits = torch.randn(rows, V, device=device, generator=g) * scale
+    zero = torch.rand(rows, V, device=device, generator=g) < 1 / 3
+    zero[:, [0, -1]] = True  # the last id, where a search past the end is clamped
+    logits[zero] = -math.inf
+    stacked = logits.repeat(copies, 1)  # (copies * rows, V): row i has row i % rows's logits
+    tokens = torch.stack([rloo.sample_tokens(stacked, temperature, g) for _ in range(steps)], 1)
+    draws, n = tokens.view(copies, rows, steps).transpose(0, 1).reshape(rows, -1), copies * steps  # (rows, n)
+    reference = torch.multinomial(torch.softmax(logits / temperature, -1), n, replacement=True, generator=g)
+    counts = [
+        torch.zeros(rows, V, device=device).scatter_add_(1, d, torch.ones_like(d, dtype=torch.float))
+        for d in (draws, reference)
+    ]
+    assert counts[0][zero].sum() == 0 and counts[1][zero].sum() == 0  # no token of probability 0, ever
+    # bins: each token expected 5 times or more in a row's n draws, and one bin for the rest of the row. Both samplers
+    # draw n times from the same p: a bin's a - m has mean 0 and variance 2np(1 - p), which a + m estimates (without
+    # 1 - p: conservative), so sum (a - m)^2 / (a + m) over a row's bins (both total n) is about chi-square with
+    # bins - 1 degrees of freedom: over all rows D, the number of tokens expected 5 times or more; mean D, variance
+    # 2D. Alike (a - e)^2 / e over those tokens' bins against the exact expectation e. Bound: 6 standard deviations
+    # above the mean, exceeded with a chance below 1e-8 at D = 16,946 (Wilson-Hilferty). (With torch.multinomial's
+    # draws in place of rloo's, on the CPU: 16,771 and 16,843; with its draws at temperature 0.31: 19,795 and 20,179)
+    expected = n * torch.softmax(logits.double() / temperature, -1)
+    big = expected >= 5
+    a, m = (torch.cat([c[big].double(), torch.where(big, 0, c).sum(1).double()]) for c in counts)
+    D = int(big.sum())
+    two_sample = ((a - m) ** 2 / (a + m).clamp(min=1)).sum().item()
+    exact = ((a[:D] - expected[big]) ** 2 / expected[big]).sum().item()
+    print(f"sampler: D = {D}, against multinomial {two_sample:.0f}, against the exact p {exact:.0f}")
+    assert D > 10_000 and two_sample < D + 6 * math.sqrt(2 * D) and exact < D + 6 * math.sqrt(2 * D)
+
+
+@gpu
+@cuda
+def test_readme_command_on_cuda_in_bf16_learns(tmp_path):
+    proc = gpu_launch(tmp_path, tmp_path / "out", "--rloo-k", "4")  # the README's main job, 96 updates
+    metrics = read_metrics(tmp_path / "out")
+    assert [m["update"] for m in metrics] == list(range(1, 97)) and all_finite(metrics)
+    # the reference computes exactly what the policy does before its first step; val/ratio, here the mean over 4
+    # epochs of which 3 follow optimizer steps, is not 1 (its exactly-1 checks are the one-epoch runs below)
+    assert metrics[0]["objective/kl"] == 0.0
+    assert statistics.mean(m["objective/scores"] for m in metrics[-9:]) > 3, proc.stdout[-2000:]  # the last tenth
+
+
+@gpu
+@cuda
+def test_lora_on_cuda_first_ratio_is_one_and_kl_zero(tmp_path):
+    # two micro-batches of 4 (shuffled rows) and one epoch: every ratio is taken before the step; the reference
+    # (adapters off) runs in chunks of 4 too (--local-rollout-forward-batch-size), the same shapes
+    flags = [*SHORT, "--use-peft", "--num-ppo-epochs", "1", "--rloo-k", "4", "--total-episodes", "16"]
+    flags += ["--per-device-train-batch-size", "4", "--gradient-accumulation-steps", "2"]
+    gpu_launch(tmp_path, tmp_path / "out", *flags, "--local-rollout-forward-batch-size", "4")
+    metrics = read_metrics(tmp_path / "out")
+    assert metrics[0]["val/ratio"] == 1.0 and metrics[0]["objective/kl"] == 0.0 and all_finite(metrics)
+    assert (tmp_path / "out" / "adapter_model.safetensors").exists()
+
+
+@pytest.fixture(scope="session")
+def pythia(tmp_path_factory):
+    """A Pythia-70M-shaped GPT-NeoX policy (eos likely) and reward model, random weights, 50,304 tokens."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, GPTNeoXForSequenceClassification
+
+    root, tokenizer = tmp_path_factory.mktemp("pythia"), filler_tokenizer(50304)
+    eos = tokenizer.eos_token_id
+    ids = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=eos, bos_token_id=eos)
+    sizes = dict(hidden_size=512, num_hidden_layers=6, num_attention_heads=8, intermediate_size=2048)
+    config = GPTNeoXConfig(vocab_size=len(tokenizer), **sizes, **ids)
+    torch.manual_seed(0)
+    policy = eos_likely(GPTNeoXForCausalLM(config), tokenizer)
+    config = copy.deepcopy(config)
+    config.num_labels = 1
+    for name, model in [("policy", policy), ("reward", GPTNeoXForSequenceClassification(config))]:
+        model.save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+    return root
+
+
+# one epoch of two micro-batches of 4: the first val/ratio is exactly 1; completions stop at random steps
+PYTHIA = [*SHORT, "--sft-model-path", "policy", "--reward-model-path", "reward", "--learning-rate", "1e-4"]
+PYTHIA += [*"--total-episodes 16 --response-length 16 --stop-token eos --num-ppo-epochs 1".split()]
+PYTHIA += [*"--per-device-train-batch-size 4 --gradient-accumulation-steps 2".split()]
+
+
+@gpu
+@cuda
+@pytest.mark.parametrize("gather", [True, False])
+def test_zero3_on_one_gpu_trains_saves_reloads_and_resumes(pythia, gpu_site, tmp_path, gather):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "out"
+    flags = PYTHIA + ["--save-steps", "1"] + ([] if gather else ["--no-ds3-gather-for-generation"])
+    env = {"RLOO_TEST_DETERMINISTIC": "1", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+    if not gather:  # update 2's first micro-batch poisoned (backward call 3)
+        env |= {"RLOO_TEST_POISON_AT": "3", "RLOO_TEST_DTYPE": f"{out}.dtype"}
+    options = dict(site=gpu_site, env=env)
+    full = gpu_launch(pythia, out, *flags, zero3=True, **options)
+    metrics = read_metrics(out)
+    assert [m["update"] for m in metrics] == [1, 2] and all_finite(metrics) and metrics[0]["val/ratio"] == 1.0
+    assert metrics[0]["objective/kl"] == 0.0  # bf16, and one chunk size for the policy and the reference
+    assert (out / "checkpoint-2").is_dir() and (out / "checkpoint-1").is_dir()
+    final = AutoModelForCausalLM.from_pretrained(out)
+    initial = AutoModelForCausalLM.from_pretrained(pythia / "policy").state_dict()
+    assert final.config.vocab_size == 50304 and final.state_dict().keys() == initial.keys()
+    assert any(not torch.equal(p, initial[name].to(p.dtype)) for name, p in final.state_dict().items())  # trained
+    if not gather:  # "Right at scale" on CUDA: the poisoned step skipped and counted, float32 masters saved
+        assert [m["train/skipped_steps"] for m in metrics] == [0, 1]
+        masters = [zero3_masters(out / f"checkpoint-{n}") for n in (1, 2)]
+        assert all(torch.equal(masters[0][name], masters[1][name]) for name in masters[0])
+        saved = final.state_dict()
+        assert all(saved[n].dtype == torch.float32 and torch.equal(saved[n], masters[1][n]) for n in masters[1])
+        assert (tmp_path / "out.dtype").read_text() == "torch.float32"
+        assert (tmp_path / "out.dtype.sharded.0").read_text().split() == ["True"] * 3  # policy, reference, reward
+    if gather:  # resume update 2 from checkpoint-1, in a directory of its own: the same metrics and weights
+        resumed = tmp_path / "resumed"
+        shutil.copytree(out / "checkpoint-1", resumed / "checkpoint-1")
+        shutil.copy(out / "metrics.jsonl", resumed / "metrics.jsonl")
+        again = gpu_launch(pythia, resumed, *flags, "--resume-from-checkpoint", "latest", zero3=True, **options)
+        ops = sorted(set(re.findall(r"(\S+) does not have a deterministic implementation", full.stderr + again.stderr)))
+        print(f"ZeRO-3 resume: ops without a deterministic CUDA kernel: {', '.join(ops) or 'none'}")
+        assert_resumed_run_matches(out, resumed, exact=not ops)  # bitwise, unless some op cannot be
+
+
+THROUGHPUT = "--rloo-k 4 --per-device-train-batch-size 256 --local-rollout-forward-batch-size 256 --response-length 256"
+THROUGHPUT += " --num-ppo-epochs 1 --total-episodes 768 --stop-token eos --num-sample-generations 0"  # 3 updates
+THROUGHPUT += " --sft-model-path qwen"
+
+
+@gpu
+@cuda
+def test_throughput_report(gpu_site, tmp_path):
+    """Qwen2.5-0.5B's shapes with random weights and a tokenizer of its 151,936 tokens, the toy reward: 64 prompts x
+    k 4 x 256 tokens an update (completions run to the end: a random policy almost never samples eos), bf16, ZeRO-3
+    on one process. Figures to improve on; it asserts only that they are finite and that the memory fits the card."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = filler_tokenizer(151936)
+    eos = tokenizer.eos_token_id
+    ids = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=eos, bos_token_id=eos)
+    sizes = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14)
+    rope = dict(rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    config = Qwen2Config(vocab_size=151936, num_key_value_heads=2, tie_word_embeddings=True, **sizes, **rope, **ids)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path / "qwen")
+    tokenizer.save_pretrained(tmp_path / "qwen")
+    torch.cuda.empty_cache()
+    out, env = tmp_path / "out", {"RLOO_TEST_SYNCS": str(tmp_path / "out" / "metrics.jsonl")}
+    proc = gpu_launch(tmp_path, out, *THROUGHPUT.split(), zero3=True, site=gpu_site, env=env)
+    metrics, lines = read_metrics(out), (out / "metrics.jsonl").read_text().splitlines(keepends=True)
+    syncs = dict(json.loads((out / "metrics.jsonl.syncs").read_text()))  # metrics.jsonl's size -> syncs seen then
+    starts = [sum(len(line.encode()) for line in lines[:u]) for u in range(len(lines))]  # its size as update u+1 ran
+    card = torch.cuda.get_device_properties(0).total_memory / 2**20
+    print(f"\nTHROUGHPUT {proc.stdout.strip().splitlines()[-1]}")  # rloo.py's closing line
+    for m, start in zip(metrics, starts, strict=True):
+        speed = f"{m['eps']:.2f} episodes/s (since the start), {m['time/tokens_per_second']:.0f} generated tokens/s; "
+        speed += ", ".join(f"{p} {m[f'time/{p}']:.2f} s" for p in ["generation", "scoring", "training", "other"])
+        speed += f"; peak {m['time/peak_memory_mib']:.0f} MiB of {card:.0f}; {syncs.get(start, 0)} host-device syncs"
+        print(f"THROUGHPUT update {m['update']}: {speed}{' (with the setup)' if start == 0 else ''}")
+        assert all(math.isfinite(v) for k, v in m.items() if k == "eps" or k.startswith("time/"))
+        assert 0 < m["time/peak_memory_mib"] < card and syncs.get(start, 0) > 0  # log_metrics syncs once at least
+    assert len(metrics) == 3
