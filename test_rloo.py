@@ -1878,15 +1878,17 @@ def test_gradient_accumulation_gives_the_gradient_of_one_micro_batch(workdir, tm
     (workdir / "gradients" / "sitecustomize.py").write_text(GRADIENTS)
     pythonpath = f"{workdir / 'gradients'}{os.pathsep}{workdir}"
     flags = ["--sft-model-path", "policy_eos", *SHORT, "--stop-token", "eos", "--num-ppo-epochs", "1", mode]
+    flags += ["--reward-fn", "test_rewards:distinct"]  # every completion its own score: no advantage is 0
     gradients, lengths = [], []
     for name, batch in [("accumulated", ["4", "--gradient-accumulation-steps", "2"]), ("one", ["8"])]:
-        env = {"RLOO_TEST_GRADIENTS": str(tmp_path / name)}
+        env = {"RLOO_TEST_GRADIENTS": str(tmp_path / f"{name}.pt")}
         launch(
             workdir, tmp_path / name, *flags, "--per-device-train-batch-size", *batch, env=env, pythonpath=pythonpath
         )
-        gradients.append(torch.load(tmp_path / name))
+        gradients.append(torch.load(tmp_path / f"{name}.pt"))
         lengths.append(read_metrics(tmp_path / name)[0]["completions/mean_length"])
     assert lengths[0] == lengths[1] and lengths[0] not in (1.0, 8.0)  # the same rollout, of uneven lengths
+    assert any(gradient.abs().max() > 1e-3 for gradient in gradients[1])
     for accumulated, one in zip(gradients[0], gradients[1], strict=True):
         assert_close(accumulated, one, rtol=1e-4, atol=1e-6)
 
