@@ -1135,7 +1135,21 @@ def test_readme_command_writes_every_metric(workdir, tmp_path):
     assert (tmp_path / "out" / "model.safetensors").exists() and not (
         tmp_path / "out" / "eval_completions.jsonl"
     ).exists()
-    assert "\r" not in proc.stdout and "Setting accelerator" not in proc.stderr and "shared tensor" not in proc.stderr
+    assert "\r" not in proc.stdout + proc.stderr  # no progress bar writes carriage returns into a log
+    assert "Setting accelerator" not in proc.stderr and "shared tensor" not in proc.stderr
+    assert all(re.match(r"update \d+/4  eta \d+m\d\ds  score", line) for line in lines if line.startswith("update"))
+    # the sample tables: each completion's score, reward, baseline (the mean of the other 3 rewards), advantage
+    rows = []
+    for line in lines:
+        fields = line.split(" | ")[-4:]
+        if len(fields) == 4 and all(re.fullmatch(r" *-?\d+\.\d{3}", field) for field in fields):
+            rows.append([float(field) for field in fields])
+    assert len(rows) == 8
+    for table in (rows[:4], rows[4:]):
+        rewards = [reward for _, reward, _, _ in table]
+        for _, reward, baseline, advantage in table:
+            assert baseline == pytest.approx((sum(rewards) - reward) / 3, abs=2e-3)
+            assert advantage == pytest.approx(reward - baseline, abs=2e-3)
 
 
 # the toy policy, or its eos-likely variant, and a reward model with the same vocabulary: training moves weights
