@@ -244,10 +244,13 @@ def token_level_advantages(scores, kl, response_mask, kl_coef, rloo_k, whiten_re
 
 
 def logprobs_from_logits(logits, tokens, temperature, with_entropy=False):
-    """log softmax(logits / temperature)[token] in float32, a few rows at a time (about 256 MB of float32
-    logits) so that no (N, T, V) float32 copy of bf16 logits is made at once. With with_entropy, also the
-    entropy of each position's distribution (no grad)."""
-    rows_per_chunk = max(1, 2**26 // logits[0].numel())
+    """log softmax(logits / temperature)[token] in float32, a few rows at a time so that no (N, T, V) float32
+    copy of bf16 logits is made at once. With with_entropy, also the entropy of each position's distribution
+    (no grad)."""
+    # speed: on a GPU about 256 MB of float32 logits a chunk (a few large kernels, not one per row); on the CPU
+    # about 8 MB, which its caches hold (4 epochs of the Medium shape train 15% faster); the same numbers
+    logits_per_chunk = 2**26 if logits.is_cuda else 2**21
+    rows_per_chunk = max(1, logits_per_chunk // logits[0].numel())
     logprobs = []
     entropies = []
     for chunk, chunk_tokens in zip(logits.split(rows_per_chunk), tokens.split(rows_per_chunk), strict=True):
