@@ -249,7 +249,9 @@ def logprobs_from_logits(logits, tokens, temperature, with_entropy=False):
     (no grad)."""
     # speed: on a GPU about 256 MB of float32 logits a chunk (a few large kernels, not one per row); on the CPU
     # about 8 MB, which its caches hold (4 epochs of the Medium shape train 15% faster); the same numbers
-    logits_per_chunk = 2**21 if logits.device.type == "cpu" else 2**26
+    logits_per_chunk = 2**26
+    if logits.device.type == "cpu":
+        logits_per_chunk = 2**21
     rows_per_chunk = max(1, logits_per_chunk // logits[0].numel())
     logprobs = []
     entropies = []
