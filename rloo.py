@@ -247,8 +247,8 @@ def logprobs_from_logits(logits, tokens, temperature, with_entropy=False):
     """log softmax(logits / temperature)[token] in float32, a few rows at a time so that no (N, T, V) float32
     copy of bf16 logits is made at once. With with_entropy, also the entropy of each position's distribution
     (no grad)."""
-    # speed: on a GPU about 256 MB of float32 logits a chunk (a few large kernels, not one per row); on the CPU
-    # about 8 MB, which its caches hold (4 epochs of the Medium shape train 15% faster); the same numbers
+    # speed: on a GPU about 256 MB of float32 logits a chunk (a few large kernels, not one per row); on the
+    # CPU about 8 MB, which its caches hold (4 epochs of the Medium shape train 15% faster); the same numbers
     logits_per_chunk = 2**26
     if logits.device.type == "cpu":
         logits_per_chunk = 2**21
@@ -760,7 +760,8 @@ def train(run):
                 # the real tokens of each mini-batch, over every rank: token mode averages the loss over all
                 # of them, so a token weighs the same in a short micro-batch as in a long one (transformers'
                 # Trainer fixed the same bias in gradient accumulation with num_items_in_batch)
-                mini_batch_tokens = all_reduce_sum(response_mask[order].view(args.num_mini_batches, -1).sum(1))
+                mini_batch_tokens = response_mask[order].view(args.num_mini_batches, -1).sum(1)
+                mini_batch_tokens = all_reduce_sum(mini_batch_tokens)
             # micro-batches; a mini-batch is gradient_accumulation_steps consecutive ones
             for start in range(0, len(order), micro):
                 micro_batch = order[start : start + micro]
