@@ -648,6 +648,17 @@ def train(run):
         # the reference, both in micro-batches of the training forward's size: the same shapes run the same
         # kernels (on GPUs too), so with one epoch the first ratio is exactly 1, and at first the KL is 0
         policy.train()  # no dropout (setup turned it off); train() lets gradient checkpointing work
+        # this rollout's log-probs under a model, in micro-batches of the training forward's size
+        rollout_logprobs = functools.partial(
+            batched_logprobs,
+            queries=queries,
+            query_mask=query_mask,
+            responses=responses,
+            response_mask=response_mask,
+            temperature=args.temperature,
+            size=micro,
+            k=rows_per_prompt,
+        )
         if one_pass:
             # step 9's forward, its graph kept for the backward
             new_logprobs, entropy = forward_logprobs(
@@ -663,29 +674,11 @@ def train(run):
             old_logprobs = new_logprobs.detach()  # (k*B, T)
         else:
             with torch.no_grad():
-                old_logprobs = batched_logprobs(
-                    policy,
-                    queries,
-                    query_mask,
-                    responses,
-                    response_mask,
-                    args.temperature,
-                    micro,
-                    k=rows_per_prompt,
-                )
+                old_logprobs = rollout_logprobs(policy)  # (k*B, T)
         # the reference's, unless kl_coef is 0 (then none is loaded); with LoRA it is the policy, adapters off
         if args.kl_coef > 0:
             with torch.no_grad(), accelerator.autocast(), reference_model(run) as ref_policy:
-                ref_logprobs = batched_logprobs(
-                    ref_policy,
-                    queries,
-                    query_mask,
-                    responses,
-                    response_mask,
-                    args.temperature,
-                    micro,
-                    k=rows_per_prompt,
-                )
+                ref_logprobs = rollout_logprobs(ref_policy)  # (k*B, T)
 
         # ---- 4. the score: the weighted reward sources; 5. minus missing_eos_penalty if it never stopped
         scores, source_rewards = score_completions(
