@@ -728,8 +728,8 @@ def train(run):
             advantages = torch.where(keep, advantages, 0.0)
 
         # ---- the non-finite guard: a NaN or inf anywhere in the rollout (a score before clipping, which
-        # would make an inf finite; an advantage; a log-prob) skips this update on every rank
-        # kl is not finite where a reference log-prob is not
+        # would make an inf finite; an advantage; the policy's log-probs, or the KL, where the reference's are
+        # not finite) skips this update on every rank
         checked = (raw_scores, advantages, torch.where(response_mask, old_logprobs, 0.0), kl)
         bad = torch.stack([~torch.isfinite(values).all() for values in checked]).any()
         finite = all_reduce_sum(bad.float()).item() == 0
@@ -761,6 +761,7 @@ def train(run):
                 mb_old_logprobs = old_logprobs[micro_batch]
                 mb_response_mask = response_mask[micro_batch]
                 with accelerator.accumulate(policy):
+                    # one pass: new_logprobs and entropy are step 3's forward, its graph still held
                     if not one_pass:
                         new_logprobs, entropy = forward_logprobs(
                             policy,
@@ -812,7 +813,6 @@ def train(run):
         stats["rlhf"] = rewards.sum()
         stats["generated"] = response_mask.sum()
         stats["truncated"] = (~stopped).sum()  # completions that ran out of room
-        stats["terminated"] = stopped.sum()
         stats["terminated_tokens"] = response_mask[stopped].sum()
         stats["eos"] = ((responses == tokenizer.eos_token_id) & response_mask).sum()
         stats["zero_std"] = (grouped == grouped[0]).all(0).sum()  # prompts whose k scores are all equal
@@ -1524,7 +1524,7 @@ def log_metrics(run, update, stats, lr, times, samples):
         # completions that ran out of room (response_length without the stop token), and the lengths
         "completions/clipped_ratio": totals["truncated"] / n,
         "completions/mean_length": totals["generated"] / n,
-        "completions/mean_terminated_length": totals["terminated_tokens"] / max(totals["terminated"], 1.0),
+        "completions/mean_terminated_length": totals["terminated_tokens"] / max(n - totals["truncated"], 1.0),
         # of the prompts (n / k of them)
         "frac_reward_zero_std": totals["zero_std"] * args.rloo_k / n,
         # each source's, before weighting
