@@ -41,7 +41,7 @@ import torch.distributed as dist
 import transformers
 import tyro
 from accelerate import Accelerator
-from accelerate.utils import InitProcessGroupKwargs, gather_object, set_seed
+from accelerate.utils import InitProcessGroupKwargs, extract_model_from_parallel, gather_object, set_seed
 from tokenizers import Tokenizer, decoders, models
 from torch.nn.utils.rnn import pad_sequence
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
@@ -244,33 +244,79 @@ def token_level_advantages(scores, kl, response_mask, kl_coef, rloo_k, whiten_re
 
 
 def logprobs_from_logits(logits, tokens, temperature, with_entropy=False):
-    """log softmax(logits / temperature)[token] in float32, a few rows at a time so that no (N, T, V) float32
-    copy of bf16 logits is made at once. With with_entropy, also the entropy of each position's distribution
-    (no grad)."""
+    """log softmax(logits / temperature)[token] in float32 (N, T). With with_entropy, also the entropy of each
+    position's distribution (no grad); else 0."""
+    logits = logits.float() / temperature  # (N, T, V)
+    logsumexp = logits.logsumexp(-1)
+    logprobs = logits.gather(-1, tokens[..., None]).squeeze(-1) - logsumexp
+    if not with_entropy:
+        return logprobs, torch.zeros_like(logprobs)
+    with torch.no_grad():
+        entropy = logsumexp - (torch.softmax(logits, -1) * logits).sum(-1)
+    return logprobs, entropy
+
+
+def head_logprobs(hidden, head, tokens, temperature, with_entropy):
+    """logprobs_from_logits of the head's logits in float32, from the hidden states (N, >= T, H) of the
+    positions that predict `tokens` (N, T), a chunk of rows at a time: no (N, T, V) tensor is made. Each
+    chunk runs under torch.utils.checkpoint, so with gradients its logits are recomputed in the backward
+    instead of kept. Returns (N, T, 2): each position's log-prob and entropy (0 without with_entropy)."""
+    T = tokens.shape[1]
     # speed: on a GPU about 256 MB of float32 logits a chunk (a few large kernels, not one per row); on the
     # CPU about 8 MB, which its caches hold (4 epochs of the Medium shape train 15% faster); the same numbers
     logits_per_chunk = 2**26
-    if logits.device.type == "cpu":
+    if hidden.device.type == "cpu":
         logits_per_chunk = 2**21
-    rows_per_chunk = max(1, logits_per_chunk // logits[0].numel())
-    logprobs = []
-    entropies = []
-    for chunk, chunk_tokens in zip(logits.split(rows_per_chunk), tokens.split(rows_per_chunk), strict=True):
-        chunk = chunk.float() / temperature  # (rows, T, V)
-        logsumexp = chunk.logsumexp(-1)
-        logprobs.append(chunk.gather(-1, chunk_tokens[..., None]).squeeze(-1) - logsumexp)
-        if with_entropy:
-            with torch.no_grad():
-                entropies.append(logsumexp - (torch.softmax(chunk, -1) * chunk).sum(-1))
-    if not with_entropy:
-        return torch.cat(logprobs), None
-    return torch.cat(logprobs), torch.cat(entropies)
+    rows_per_chunk = max(1, logits_per_chunk // (T * head.out_features))
+
+    def chunk_logprobs(hidden_chunk, tokens_chunk):
+        bias = None if head.bias is None else head.bias.float()
+        with torch.autocast(hidden.device.type, enabled=False):
+            logits = torch.nn.functional.linear(hidden_chunk[:, :T].float(), head.weight.float(), bias)
+        logprobs_and_entropy = logprobs_from_logits(logits, tokens_chunk, temperature, with_entropy)
+        return torch.stack(logprobs_and_entropy, -1)  # (rows, T, 2)
+
+    chunks = []
+    for hidden_chunk, tokens_chunk in zip(hidden.split(rows_per_chunk), tokens.split(rows_per_chunk), strict=True):
+        chunk = torch.utils.checkpoint.checkpoint(
+            chunk_logprobs, hidden_chunk, tokens_chunk, use_reentrant=False, preserve_rng_state=False
+        )
+        chunks.append(chunk)
+    return torch.cat(chunks)
+
+
+def model_logprobs(model, inputs, tokens, temperature, with_entropy):
+    """model(**inputs) with its unembedding giving head_logprobs of `tokens`, (N, T, 2), in place of logits
+    (N, T, V). The head still runs as a module, so under ZeRO-3 its own hooks gather its weight (once for all
+    chunks) in the forward and again in the backward."""
+    head = extract_model_from_parallel(model).get_output_embeddings()
+    logits_forward = vars(head).get("forward")  # float32_head's, or None: nn.Linear's
+    returned = []  # what the head gave
+
+    def forward(hidden):
+        returned.append(head_logprobs(hidden, head, tokens, temperature, with_entropy))
+        return returned[-1]
+
+    head.forward = forward
+    try:
+        logprobs = model(**inputs).logits  # (N, T, 2)
+    finally:
+        del head.forward
+        if logits_forward is not None:
+            head.forward = logits_forward
+    # a model that changes its head's output (Gemma's softcapping, Cohere's and Granite's logit scales) would
+    # change these log-probs: refused, rather than trained on wrong numbers
+    if logprobs.data_ptr() != returned[-1].data_ptr():
+        change = "the model changes its logits after its head (a softcap, a scale)"
+        raise ArgumentError(f"--sft-model-path: {change}; rloo.py reads log-probs at the head")
+    return logprobs
 
 
 def forward_logprobs(model, queries, query_mask, responses, response_mask, temperature, with_entropy=False, k=1):
-    """Log-probs (N, T) of the responses under `model`; only the positions that predict them get logits.
-    With k > 1 each prompt runs once (prompt_forward) and its k completions attend to its keys and values:
-    the same numbers as one forward per row."""
+    """Log-probs (N, T) of the responses under `model`, and with with_entropy each position's entropy (else
+    0). Only the positions that predict them reach the head, which gives log-probs, not logits
+    (model_logprobs). With k > 1 each prompt runs once (prompt_forward) and its k completions attend to
+    its keys and values: the same numbers as one forward per row."""
     P = queries.shape[1]
     T = responses.shape[1]
     mask = torch.cat([query_mask, response_mask.long()], 1)
@@ -279,22 +325,25 @@ def forward_logprobs(model, queries, query_mask, responses, response_mask, tempe
     if k == 1:
         # one forward over prompt + completion; position p predicts the token at p + 1
         input_ids = torch.cat([queries, responses], 1)
-        inputs = dict(input_ids=input_ids, attention_mask=mask, position_ids=position_ids)
-        output = model(**inputs, logits_to_keep=T + 1, use_cache=False)
-        logits = output.logits[:, :-1]  # (N, T, V)
-    else:
-        first, cache = prompt_forward(model, queries, query_mask, position_ids[:, :P], k)
-        logits = first  # (N, 1, V): the prompt's last position predicts the first token
-        if T > 1:
-            # each completion but its last token, attending to the cache of its prompt
-            inputs = dict(
-                input_ids=responses[:, :-1],
-                attention_mask=mask[:, :-1],
-                position_ids=position_ids[:, P:-1],
-            )
-            rest = model(**inputs, cache=cache, use_cache=True).logits
-            logits = torch.cat([first, rest], 1)  # (N, T, V)
-    return logprobs_from_logits(logits, responses, temperature, with_entropy)
+        inputs = dict(
+            input_ids=input_ids, attention_mask=mask, position_ids=position_ids, logits_to_keep=T + 1, use_cache=False
+        )
+        return model_logprobs(model, inputs, responses, temperature, with_entropy).unbind(-1)
+    # the prompt's last position predicts the first token: (N, 1, V) logits
+    first_logits, cache = prompt_forward(model, queries, query_mask, position_ids[:, :P], k)
+    first = torch.stack(logprobs_from_logits(first_logits, responses[:, :1], temperature, with_entropy), -1)
+    if T == 1:
+        return first.unbind(-1)
+    # each completion but its last token, attending to the cache of its prompt
+    inputs = dict(
+        input_ids=responses[:, :-1],
+        attention_mask=mask[:, :-1],
+        position_ids=position_ids[:, P:-1],
+        cache=cache,
+        use_cache=True,
+    )
+    rest = model_logprobs(model, inputs, responses[:, 1:], temperature, with_entropy)  # (N, T - 1, 2)
+    return torch.cat([first, rest], 1).unbind(-1)  # (N, T) each
 
 
 def prompt_forward(model, queries, query_mask, position_ids, k):
@@ -1184,6 +1233,9 @@ def load_models(args, tokenizer, longest_prompt, float32_heads):
             policy = get_peft_model(policy, lora_config)
         except ValueError as error:
             raise ArgumentError(f"--lora-target-modules {targets}: {error!r:.160}") from None
+        # log-probs come from the head's own weight (model_logprobs): an adapter there would be left out
+        if not isinstance(policy.get_output_embeddings(), torch.nn.Linear):
+            raise ArgumentError(f"--lora-target-modules {targets}: the head (the unembedding) cannot take an adapter")
     # the longest prompt and a whole completion must fit the positions of each model that reads them
     contexts = [(policy.config, "policy")]
     reward_model = None

@@ -396,7 +396,7 @@ def test_logprobs_from_logits(dtype, temperature):
     p = ref_all.exp()
     assert_close(entropy, -(p * ref_all).sum(-1))
     none_logprobs, none_entropy = rloo.logprobs_from_logits(logits, tokens, temperature)
-    assert none_entropy is None
+    assert torch.equal(none_entropy, torch.zeros(3, 4))
     assert_close(none_logprobs, logprobs, rtol=0, atol=0)
 
 
@@ -434,6 +434,86 @@ def test_logprobs_under_bf16_autocast_come_from_a_float32_head():
         else:  # the rounding that the float32 head removes is far above float32's
             assert (logprobs - expected).abs().max() > 1e-2
     assert ref_policy.get_output_embeddings().forward.__qualname__ == head.forward.__qualname__  # the reference too
+
+
+def test_a_model_that_changes_its_logits_after_the_head_is_refused():
+    """Gemma 2 softcaps its logits after the head: log-probs read at the head would not be the model's."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    sizes = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=1, head_dim=16)
+    config = Gemma2Config(vocab_size=40, num_key_value_heads=1, final_logit_softcapping=2.0, **sizes)
+    policy = Gemma2ForCausalLM(config)
+    queries, responses = torch.randint(0, 40, (2, 3)), torch.randint(0, 40, (2, 4))
+    masks = torch.ones_like(queries), torch.ones_like(responses, dtype=torch.bool)
+    with pytest.raises(rloo.ArgumentError, match="changes its logits after its head"):
+        rloo.forward_logprobs(policy, queries, masks[0], responses, masks[1], temperature=0.7)
+    config.final_logit_softcapping = None  # no softcap: accepted, and the log-probs of its own logits
+    logprobs, _ = rloo.forward_logprobs(policy, queries, masks[0], responses, masks[1], temperature=0.7)
+    logits = policy(input_ids=torch.cat([queries, responses], 1)).logits[:, 2:-1]
+    assert_close(logprobs, rloo.logprobs_from_logits(logits, responses, 0.7)[0])
+
+
+def peak_rss_mib(fn):
+    """fn()'s result and this process's peak resident memory while it ran (Linux: VmHWM, reset by clear_refs)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    result = fn()
+    with open("/proc/self/status") as f:
+        return result, int(re.search(r"VmHWM:\s+(\d+)", f.read()).group(1)) / 1024
+
+
+@slow
+@pytest.mark.parametrize("k", [1, 4])
+def test_logprobs_from_hidden_states_in_chunks_are_the_full_logits_at_a_third_of_the_memory(k):
+    """A Qwen2 of 151,936 tokens, 4 completions of 512 tokens (3/k prompts x k, k-major): forward_logprobs against a
+    plain forward keeping the (N, T, V) logits, in values, entropies and gradients; and one forward and backward's
+    peak memory."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    V, T, N = 151936, 512, 4
+    sizes = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=1)
+    config = Qwen2Config(vocab_size=V, num_key_value_heads=1, tie_word_embeddings=True, **sizes)
+    torch.manual_seed(0)
+    policy = Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        policy.get_output_embeddings().weight *= 10  # logits of a few units, not all about 0
+    g = torch.Generator().manual_seed(21)
+    queries = torch.randint(0, V, (N // k, 4), generator=g).repeat(k, 1)
+    responses = torch.randint(0, V, (N, T), generator=g)
+    query_mask, response_mask = torch.ones_like(queries), torch.ones_like(responses, dtype=torch.bool)
+    weights = torch.randn(N, T, generator=g)
+
+    def chunked():
+        logprobs, entropy = rloo.forward_logprobs(
+            policy, queries, query_mask, responses, response_mask, 0.7, with_entropy=True, k=k
+        )
+        (logprobs * weights).sum().backward()
+        return logprobs.detach(), entropy
+
+    def plain():  # the model's own head over every position, its (N, T, V) logits kept for the backward
+        if k == 1:
+            logits = policy(input_ids=torch.cat([queries, responses], 1), logits_to_keep=T + 1).logits[:, :-1]
+        else:  # the same prompt-once forward: each prompt once, its k completions attending to its cache
+            positions = torch.arange(4 + T)[None].repeat(N, 1)
+            first, cache = rloo.prompt_forward(policy, queries, query_mask, positions[:, :4], k)
+            inputs = dict(input_ids=responses[:, :-1], position_ids=positions[:, 4:-1], cache=cache, use_cache=True)
+            logits = torch.cat([first, policy(**inputs).logits], 1)
+        logprobs, entropy = rloo.logprobs_from_logits(logits, responses, 0.7, with_entropy=True)
+        (logprobs * weights).sum().backward()
+        return logprobs.detach(), entropy
+
+    results = {}
+    for name, fn in [("chunked", chunked), ("plain", plain)]:
+        policy.zero_grad(set_to_none=True)
+        values, peak = peak_rss_mib(fn)
+        results[name] = values, peak, {n: p.grad.clone() for n, p in policy.named_parameters()}
+    (logprobs, entropy), chunked_peak, chunked_grads = results["chunked"]
+    (expected_logprobs, expected_entropy), plain_peak, plain_grads = results["plain"]
+    assert_close(logprobs, expected_logprobs, rtol=1e-5, atol=1e-5)
+    assert_close(entropy, expected_entropy, rtol=1e-5, atol=1e-5)
+    for name, grad in plain_grads.items():  # an element near 0 is a sum that cancels: atol at the tensor's scale
+        assert_close(chunked_grads[name], grad, rtol=1e-5, atol=1e-5 * grad.abs().max().item())
+    assert chunked_peak < plain_peak / 3, (chunked_peak, plain_peak)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -633,6 +713,7 @@ def run_main(tmp_path, **fields):
         (dict(num_sample_generations=-1), "--num-sample-generations"),
         (dict(eval_temperature=math.inf), "--eval-temperature"),
         (dict(use_peft=True, lora_r=0), "--lora-r"),
+        (dict(use_peft=True, lora_target_modules=["lm_head"]), "the head (the unembedding) cannot take an adapter"),
         (dict(cpu_threads=0), "--cpu-threads"),
         (dict(resume_from_checkpoint="latest"), "--resume-from-checkpoint latest: no checkpoint"),
         (dict(resume_from_checkpoint="nowhere"), "--resume-from-checkpoint nowhere: not a checkpoint"),
