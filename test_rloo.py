@@ -36,6 +36,8 @@ from torch.testing import assert_close
 
 import rloo
 
+# the fixtures save and load models in this process: no progress bars (\r) in a log of the tests, as in rloo.py
+rloo.transformers.utils.logging.disable_progress_bar()
 ROOT = pathlib.Path(__file__).resolve().parent  # the repository
 RLOO_PY = str(ROOT / "rloo.py")
 slow = pytest.mark.slow
@@ -348,7 +350,7 @@ def _whiten_worker(rank, init_file, out_dir, values, mask):
         local, local_mask = values[rank * half : (rank + 1) * half], mask[rank * half : (rank + 1) * half]
         mean_m, var_m = rloo.global_mean_var(local, local_mask)
         result = dict(mean_masked=mean_m, var_masked=var_m, whiten_masked=rloo.whiten(local, local_mask))
-        result["sum"] = rloo.all_reduce_sum(torch.tensor([rank + 1.0]))
+        result["sum"] = rloo.all_reduce(torch.tensor([rank + 1.0]))
         result["whiten_masked_keep_mean"] = rloo.whiten(local, local_mask, shift_mean=False)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
@@ -368,7 +370,7 @@ def test_whiten_and_global_mean_var_across_two_processes(tmp_path):
     real = [float(v) for v in values[mask]]
     m, v = statistics.mean(real), statistics.variance(real)
     for res in results:
-        assert res["sum"].item() == 3.0  # 1 + 2: all_reduce_sum really went through torch.distributed
+        assert res["sum"].item() == 3.0  # 1 + 2: all_reduce really went through torch.distributed
         assert res["mean_masked"].item() == pytest.approx(m, rel=1e-12)
         assert res["var_masked"].item() == pytest.approx(v, rel=1e-12)
     # the halves' whitened values equal the unsplit batch's
@@ -496,7 +498,8 @@ def test_logprobs_from_hidden_states_in_chunks_are_the_full_logits_at_a_third_of
         else:  # the same prompt-once forward: each prompt once, its k completions attending to its cache
             positions = torch.arange(4 + T)[None].repeat(N, 1)
             first, cache = rloo.prompt_forward(policy, queries, query_mask, positions[:, :4], k)
-            inputs = dict(input_ids=responses[:, :-1], position_ids=positions[:, 4:-1], cache=cache, use_cache=True)
+            inputs = dict(input_ids=responses[:, :-1], position_ids=positions[:, 4:-1], use_cache=True)
+            inputs[rloo.CACHE] = cache
             logits = torch.cat([first, policy(**inputs).logits], 1)
         logprobs, entropy = rloo.logprobs_from_logits(logits, responses, 0.7, with_entropy=True)
         (logprobs * weights).sum().backward()
@@ -932,7 +935,7 @@ def test_generate_survives_a_diverged_policy():
     class Diverged(torch.nn.Module):  # logits all NaN, as from NaN weights
         def forward(self, input_ids, **kwargs):
             cache = type("Cache", (), {"reorder_cache": lambda self, rows: None})()
-            return type("Output", (), {"logits": torch.full((len(input_ids), 1, 5), math.nan), "cache": cache})
+            return type("Output", (), {"logits": torch.full((len(input_ids), 1, 5), math.nan), rloo.CACHE: cache})
 
     ones = torch.ones(3, 2, dtype=torch.long)
     sample = functools.partial(rloo.sample_tokens, temperature=0.7)
