@@ -46,6 +46,8 @@ rloo.transformers.utils.logging.disable_progress_bar()
 ROOT = pathlib.Path(__file__).resolve().parent  # the repository
 RLOO_PY = str(ROOT / "rloo.py")
 slow = pytest.mark.slow
+gpu = pytest.mark.gpu
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
 
 
 def subprocess_env(pythonpath=ROOT, **extra):
@@ -479,8 +481,12 @@ def test_lora_on_the_head_is_in_the_log_probs_and_trains():
     assert policy.base_model.model.lm_head.lora_A.default.weight.grad.abs().max() > 0
 
 
-def peak_rss_mib(fn):
-    """fn()'s result and this process's peak resident memory while it ran (Linux: VmHWM, reset by clear_refs)."""
+def peak_memory_mib(fn, device):
+    """fn()'s result and the peak memory while it ran: on CUDA the allocator's, on the CPU this process's peak
+    resident memory (Linux: VmHWM, reset by clear_refs)."""
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        return fn(), torch.cuda.max_memory_allocated() / 2**20
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     result = fn()
@@ -489,9 +495,10 @@ def peak_rss_mib(fn):
 
 
 @slow
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[gpu, cuda])])
 @pytest.mark.parametrize("k", [1, 4])
-def test_logprobs_from_hidden_states_in_chunks_are_the_full_logits_at_a_third_of_the_memory(k):
-    """A Qwen2 of 151,936 tokens, 4 completions of 512 tokens (3/k prompts x k, k-major): forward_logprobs against a
+def test_logprobs_from_hidden_states_in_chunks_are_the_full_logits_at_a_third_of_the_memory(k, device):
+    """A Qwen2 of 151,936 tokens, 4 completions of 512 tokens (4/k prompts x k, k-major): forward_logprobs against a
     plain forward keeping the (N, T, V) logits, in values, entropies and gradients; and one forward and backward's
     peak memory."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -500,14 +507,14 @@ def test_logprobs_from_hidden_states_in_chunks_are_the_full_logits_at_a_third_of
     sizes = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=1)
     config = Qwen2Config(vocab_size=V, num_key_value_heads=1, tie_word_embeddings=True, **sizes)
     torch.manual_seed(0)
-    policy = Qwen2ForCausalLM(config)
+    policy = Qwen2ForCausalLM(config).to(device)
     with torch.no_grad():
         policy.get_output_embeddings().weight *= 10  # logits of a few units, not all about 0
     g = torch.Generator().manual_seed(21)
-    queries = torch.randint(0, V, (N // k, 4), generator=g).repeat(k, 1)
-    responses = torch.randint(0, V, (N, T), generator=g)
+    queries = torch.randint(0, V, (N // k, 4), generator=g).repeat(k, 1).to(device)
+    responses = torch.randint(0, V, (N, T), generator=g).to(device)
     query_mask, response_mask = torch.ones_like(queries), torch.ones_like(responses, dtype=torch.bool)
-    weights = torch.randn(N, T, generator=g)
+    weights = torch.randn(N, T, generator=g).to(device)
 
     def chunked():
         logprobs, entropy = rloo.forward_logprobs(
@@ -520,7 +527,7 @@ def test_logprobs_from_hidden_states_in_chunks_are_the_full_logits_at_a_third_of
         if k == 1:
             logits = policy(input_ids=torch.cat([queries, responses], 1), logits_to_keep=T + 1).logits[:, :-1]
         else:  # the same prompt-once forward: each prompt once, its k completions attending to its cache
-            positions = torch.arange(4 + T)[None].repeat(N, 1)
+            positions = torch.arange(4 + T, device=device)[None].repeat(N, 1)
             first, cache = rloo.prompt_forward(policy, queries, query_mask, positions[:, :4], k)
             inputs = dict(input_ids=responses[:, :-1], position_ids=positions[:, 4:-1], use_cache=True)
             inputs[rloo.CACHE] = cache
@@ -532,7 +539,7 @@ def test_logprobs_from_hidden_states_in_chunks_are_the_full_logits_at_a_third_of
     results = {}
     for name, fn in [("chunked", chunked), ("plain", plain)]:
         policy.zero_grad(set_to_none=True)
-        values, peak = peak_rss_mib(fn)
+        values, peak = peak_memory_mib(fn, device)
         results[name] = values, peak, {n: p.grad.clone() for n, p in policy.named_parameters()}
     (logprobs, entropy), chunked_peak, chunked_grads = results["chunked"]
     (expected_logprobs, expected_entropy), plain_peak, plain_grads = results["plain"]
@@ -540,6 +547,7 @@ def test_logprobs_from_hidden_states_in_chunks_are_the_full_logits_at_a_third_of
     assert_close(entropy, expected_entropy, rtol=1e-5, atol=1e-5)
     for name, grad in plain_grads.items():  # an element near 0 is a sum that cancels: atol at the tensor's scale
         assert_close(chunked_grads[name], grad, rtol=1e-5, atol=1e-5 * grad.abs().max().item())
+    print(f"\nchunked log-probs ({device}, k {k}): peak {chunked_peak:.0f} MiB, the plain path's {plain_peak:.0f} MiB")
     assert chunked_peak < plain_peak / 3, (chunked_peak, plain_peak)
 
 
@@ -2218,8 +2226,6 @@ def test_vllm_cannot_run_a_head_size_it_lacks_and_says_why(vllm_dir, tmp_path):
 # 17. the GPU tier: CUDA, bf16, one GPU (`-m gpu`; deselected by default, skipped without CUDA). One GPU runs no
 # collective between ranks: NCCL across GPUs stays unverified here.
 
-gpu = pytest.mark.gpu
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
 
 # a rank's sitecustomize: deterministic algorithms (an op without a deterministic CUDA kernel warns, naming itself), or
 # a count of host-device synchronizations (the sync debug mode warns at each) by metrics.jsonl's size then: per update
@@ -2413,8 +2419,11 @@ def test_zero3_on_one_gpu_trains_saves_reloads_and_resumes(pythia, gpu_site, tmp
         assert_resumed_run_matches(out, resumed, exact=not ops)  # bitwise, unless some op cannot be
 
 
-THROUGHPUT = "--rloo-k 4 --per-device-train-batch-size 256 --local-rollout-forward-batch-size 256 --response-length 256"
-THROUGHPUT += " --num-ppo-epochs 1 --total-episodes 768 --stop-token eos --num-sample-generations 0"  # 3 updates
+# an update samples 256 completions at once and trains on them in 4 micro-batches of 64: at 256 completions a
+# micro-batch the activations alone (about 1.2 MB a token over 24 layers in bf16, 68k tokens) would be about 80 GB
+THROUGHPUT = "--rloo-k 4 --per-device-train-batch-size 64 --gradient-accumulation-steps 4 --response-length 256"
+THROUGHPUT += " --local-rollout-forward-batch-size 256 --num-ppo-epochs 1 --total-episodes 768 --stop-token eos"
+THROUGHPUT += " --num-sample-generations 0"  # 3 updates
 THROUGHPUT += " --sft-model-path qwen"
 
 
