@@ -283,21 +283,27 @@ def logprobs_from_logits(logits, tokens, temperature, with_entropy=False):
 
 def head_logprobs(hidden, logits_forward, vocab_size, tokens, temperature, with_entropy):
     """logprobs_from_logits of the head's logits (logits_forward), from the hidden states (N, >= T, H) of the
-    positions that predict `tokens` (N, T), a chunk of rows at a time: no (N, T, V) tensor is made. Each
-    chunk runs under torch.utils.checkpoint, so with gradients its logits are recomputed in the backward
-    instead of kept. Returns (N, T, 2): each position's log-prob and entropy (0 without with_entropy)."""
+    positions that predict `tokens` (N, T), a chunk of rows (about 2**26 logits, 256 MB in float32) at a time:
+    no (N, T, V) tensor is made. With several chunks each runs under torch.utils.checkpoint, so with gradients
+    its logits are recomputed in the backward instead of kept. Returns (N, T, 2): each position's log-prob and
+    entropy (0 without with_entropy)."""
     T = tokens.shape[1]
-    # speed: on a GPU about 256 MB of float32 logits a chunk (a few large kernels, not one per row); on the
-    # CPU about 8 MB, which its caches hold (4 epochs of the Medium shape train 15% faster); the same numbers
-    logits_per_chunk = 2**26
+    rows_per_chunk = max(1, 2**26 // (T * vocab_size))
+    # speed: on the CPU the log-softmax runs on pieces of about 8 MB, which its caches hold (4 epochs of the
+    # Medium shape train 15% faster); the same numbers
+    rows_per_piece = rows_per_chunk
     if hidden.device.type == "cpu":
-        logits_per_chunk = 2**21
-    rows_per_chunk = max(1, logits_per_chunk // (T * vocab_size))
+        rows_per_piece = max(1, 2**21 // (T * vocab_size))
 
     def chunk_logprobs(hidden_chunk, tokens_chunk):
         logits = logits_forward(hidden_chunk[:, :T])  # (rows, T, V)
-        return torch.stack(logprobs_from_logits(logits, tokens_chunk, temperature, with_entropy), -1)
+        pieces = zip(logits.split(rows_per_piece), tokens_chunk.split(rows_per_piece), strict=True)
+        return torch.cat([torch.stack(logprobs_from_logits(*piece, temperature, with_entropy), -1) for piece in pieces])
 
+    # speed: one chunk keeps its logits for the backward, where several would recompute them: one head matmul
+    # fewer, and no more memory (the backward holds them either way); the same numbers
+    if len(hidden) <= rows_per_chunk:
+        return chunk_logprobs(hidden, tokens)
     chunks = []
     for hidden_chunk, tokens_chunk in zip(hidden.split(rows_per_chunk), tokens.split(rows_per_chunk), strict=True):
         chunk = torch.utils.checkpoint.checkpoint(
@@ -1075,7 +1081,7 @@ def setup(args):
     # before the random generators are seeded or restored: the engine seeds them as it starts
     llm = None
     if args.use_vllm:
-        llm = start_vllm(args, accelerator, longest_prompt + args.response_length)
+        llm = start_vllm(args, accelerator, accelerator.unwrap_model(policy), longest_prompt + args.response_length)
     run = Run(
         args,
         accelerator,
@@ -1394,7 +1400,7 @@ def load_models(args, tokenizer, longest_prompt, float32_heads):
     return policy, ref_policy, reward
 
 
-def start_vllm(args, accelerator, max_model_len):
+def start_vllm(args, accelerator, policy, max_model_len):
     """This process's vLLM engine, colocated (tensor parallel 1, as TRL's colocate mode), loaded from
     --sft-model-path in the training's precision; sync_vllm_weights gives it the policy's weights."""
     # the engine in this process, so that its weights are reached in place; on CPUs a KV cache of 1 GiB, and
@@ -1407,6 +1413,7 @@ def start_vllm(args, accelerator, max_model_len):
     import vllm
 
     dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(accelerator.mixed_precision, "float32")
+    classes = {type(module): type(module).__call__ for module in policy.modules()}
     # several processes: each its own engine in the trainer's process group, as TRL's colocate mode
     backend = None
     if accelerator.num_processes > 1:
@@ -1423,12 +1430,19 @@ def start_vllm(args, accelerator, max_model_len):
             enforce_eager=accelerator.device.type == "cpu",
             trust_remote_code=args.trust_remote_code,
             seed=args.seed + 100003 * accelerator.process_index,
+            use_tqdm_on_load=False,  # a log holds lines
         )
         # one token, since some refusals (a head size its attention lacks) come at the first forward
         llm.generate([{"prompt_token_ids": [0]}], vllm.SamplingParams(max_tokens=1, logprobs=0), use_tqdm=False)
     # vLLM's own reason, whatever raised it: an architecture or head size it cannot run, memory
     except Exception as error:
         raise ArgumentError(f"--use-vllm: the engine cannot run the model ({error!r:.200})") from None
+    # vLLM's Transformers backend (its way to run GPT-NeoX, in 0.32) patches the model's classes, those of the
+    # policy being trained too, whose forward then fails
+    patched = [cls.__name__ for cls, call in classes.items() if cls.__call__ is not call]
+    if patched:
+        fix = "give a model whose architecture vLLM implements (Llama, Qwen2, ...)"
+        raise ArgumentError(f"--use-vllm: vLLM runs this model by patching its classes ({', '.join(patched)}); {fix}")
     return llm
 
 

@@ -2057,7 +2057,7 @@ VLLM_FLAGS = ["--use-vllm", "--rloo-k", "4", "--num-sample-generations", "0"]
 
 
 def llama(directory, tokenizer, hidden_size, intermediate_size, heads, tie=False):
-    """A random Llama of head size 64 with the toy's tokenizer, saved to `directory`."""
+    """A random Llama with the toy's tokenizer, saved to `directory`."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     ids = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
@@ -2071,14 +2071,15 @@ def llama(directory, tokenizer, hidden_size, intermediate_size, heads, tie=False
 
 @pytest.fixture(scope="module")
 def vllm_dir(tmp_path_factory):
-    """A small Llama, one whose matrices ZeRO-3 shards (over 1e5 weights) with tied embeddings, the toy policy
-    (head size 16), and the no-sync runner."""
+    """A small Llama, one whose matrices ZeRO-3 shards (over 1e5 weights) with tied embeddings (head size 64),
+    one of head size 16, a GPT-NeoX of head size 64, and the no-sync runner."""
     root = tmp_path_factory.mktemp("vllm")
     tokenizer = rloo.toy_tokenizer()
     llama(root / "llama", tokenizer, 128, 256, heads=2)
     llama(root / "llama_sharded", tokenizer, 256, 1024, heads=4, tie=True)
-    rloo.toy_policy(tokenizer, seed=0).save_pretrained(root / "head16")
-    tokenizer.save_pretrained(root / "head16")
+    llama(root / "head16", tokenizer, 64, 128, heads=4)
+    rloo.toy_policy(tokenizer, seed=0, hidden_size=128).save_pretrained(root / "neox")  # 4 heads of 32
+    tokenizer.save_pretrained(root / "neox")
     (root / "no_sync.py").write_text(NO_SYNC)
     return root
 
@@ -2097,7 +2098,7 @@ def engine(vllm_dir):
     accelerator = SimpleNamespace(mixed_precision="no", num_processes=1, process_index=0, device=torch.device("cpu"))
     accelerator.unwrap_model = lambda model: model
     policy = transformers.AutoModelForCausalLM.from_pretrained(path)
-    llm = rloo.start_vllm(args, accelerator, max_model_len=64)
+    llm = rloo.start_vllm(args, accelerator, policy, max_model_len=64)
     run = SimpleNamespace(args=args, accelerator=accelerator, policy=policy, llm=llm, zero3=False)
     run.tokenizer = rloo.toy_tokenizer()
     run.initial_head = policy.get_output_embeddings().weight.detach().clone()
@@ -2216,10 +2217,20 @@ def test_vllm_run_resumes_as_an_uninterrupted_one(vllm_dir, tmp_path):
 @slow
 @vllm
 @vllm_installed
-def test_vllm_cannot_run_a_head_size_it_lacks_and_says_why(vllm_dir, tmp_path):
-    flags = ["--sft-model-path", str(vllm_dir / "head16"), *VLLM_FLAGS]
-    message = one_line_error(launch(vllm_dir, tmp_path / "out", *flags, check=False))
-    assert "--use-vllm: the engine cannot run the model" in message and "head_dim=16" in message, message
+@pytest.mark.parametrize(
+    "model, words",
+    [
+        ("head16", ["--use-vllm: the engine cannot run the model", "head_dim=16"]),  # its CPU attention has no 16
+        # vLLM 0.32 runs GPT-NeoX through its Transformers backend, which patches the class the policy trains with
+        ("neox", ["--use-vllm: vLLM runs this model by patching its classes (GPTNeoXModel)"]),
+    ],
+)
+def test_vllm_refuses_a_model_it_cannot_run_and_says_why(vllm_dir, tmp_path, model, words):
+    flags = ["--sft-model-path", str(vllm_dir / model), *VLLM_FLAGS]
+    proc = launch(vllm_dir, tmp_path / "out", *flags, check=False)
+    message = one_line_error(proc)
+    assert all(word in message for word in words), message
+    assert "\r" not in proc.stdout + proc.stderr  # no progress bar of vLLM's either
 
 
 # ----------------------------------------------------------------------------------------------------------------
