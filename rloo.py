@@ -514,14 +514,14 @@ def rollout(run, queries, query_mask, temperature, generator=None, k=1):
     pad = run.tokenizer.pad_token_id
     responses = torch.full((len(queries), args.response_length), pad, device=queries.device)
     vllm_logprobs = None
-    sample = functools.partial(
-        sample_tokens, temperature=temperature, generator=generator, top_k=args.top_k, top_p=args.top_p
-    )
-    # speed: packed float32 weights on the CPU, when not sharded and without autocast
-    packed = run.accelerator.mixed_precision == "no"
     if run.llm is not None:
         responses, vllm_logprobs = vllm_generate(run, queries, query_mask, temperature, generator, k)
     else:
+        sample = functools.partial(
+            sample_tokens, temperature=temperature, generator=generator, top_k=args.top_k, top_p=args.top_p
+        )
+        # speed: packed float32 weights on the CPU, when not sharded and without autocast
+        packed = run.accelerator.mixed_precision == "no"
         with generation_context(run) as (model, synced), packed_linears(model, packed and not synced):
             for rows in prompt_chunks(len(queries), k, args.local_rollout_forward_batch_size):
                 tokens = generate(
