@@ -512,11 +512,11 @@ def rollout(run, queries, query_mask, temperature, generator=None, k=1):
     sampled tokens come third (N, T); else None."""
     args = run.args
     pad = run.tokenizer.pad_token_id
-    responses = torch.full((len(queries), args.response_length), pad, device=queries.device)
     vllm_logprobs = None
     if run.llm is not None:
         responses, vllm_logprobs = vllm_generate(run, queries, query_mask, temperature, generator, k)
     else:
+        responses = torch.full((len(queries), args.response_length), pad, device=queries.device)
         sample = functools.partial(
             sample_tokens, temperature=temperature, generator=generator, top_k=args.top_k, top_p=args.top_p
         )
