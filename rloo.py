@@ -141,25 +141,17 @@ class ArgumentError(SystemExit):
 # ALGO LOGIC: the math of RLOO, one small helper per equation
 
 
-def first_true_indices(bools):
-    """Index of the first True in each row of `bools` (N, T); T where a row has none."""
-    row_len = bools.size(-1)
-    zero_or_index = row_len * (~bools).long() + torch.arange(row_len, device=bools.device)
-    return torch.min(zero_or_index, dim=-1).values
-
-
 def truncate_response(responses, stop_token_id, pad_token_id):
     """Cut each response after its first stop token (kept) and fill the rest with pad: (responses,
     response_mask), (N, T). The mask comes from positions, not from comparing ids with the pad id, so that
     pad == eos works too."""
     T = responses.shape[1]
-    if stop_token_id is None:
-        stops = torch.zeros_like(responses, dtype=torch.bool)
-    else:
-        stops = responses == stop_token_id
-    # T where a row has no stop token
-    lengths = torch.clamp(first_true_indices(stops) + 1, max=T)
-    response_mask = torch.arange(T, device=responses.device)[None, :] < lengths[:, None]
+    positions = torch.arange(T, device=responses.device)
+    # each row's length: up to its first stop token, or T
+    lengths = torch.full_like(responses[:, 0], T)
+    if stop_token_id is not None:
+        lengths = torch.where(responses == stop_token_id, positions + 1, T).min(1).values
+    response_mask = positions < lengths[:, None]
     return torch.where(response_mask, responses, pad_token_id), response_mask
 
 
@@ -233,11 +225,10 @@ def policy_loss(new_logprobs, old_logprobs, advantages, response_mask, cliprange
     is_clipped = (clipped > unclipped).float()
     clipped_low = ((ratio < 1.0 - cliprange) & (advantages < 0)).float()
     clipped_high = ((ratio > 1.0 + cliprange_high) & (advantages > 0)).float()
+    # sequence mode: every sequence is a term
     if sequence_level:
-        return losses.mean(), is_clipped.mean(), clipped_low.mean(), clipped_high.mean()
-    loss = masked_mean(losses, response_mask)
-    clipfrac = masked_mean(is_clipped, response_mask)
-    return loss, clipfrac, masked_mean(clipped_low, response_mask), masked_mean(clipped_high, response_mask)
+        response_mask = torch.ones_like(losses, dtype=torch.bool)
+    return tuple(masked_mean(values, response_mask) for values in (losses, is_clipped, clipped_low, clipped_high))
 
 
 def truncated_importance_weights(logprobs, sampler_logprobs, response_mask, cap, sequence_level):
@@ -282,40 +273,44 @@ def logprobs_from_logits(logits, tokens, temperature, with_entropy=False):
 
 
 def head_logprobs(hidden, logits_forward, vocab_size, tokens, temperature, with_entropy):
-    """logprobs_from_logits of the head's logits (logits_forward), from the hidden states (N, >= T, H) of the
-    positions that predict `tokens` (N, T), a chunk of rows (about 2**26 logits, 256 MB in float32) at a time:
-    no (N, T, V) tensor is made. With several chunks each runs under torch.utils.checkpoint, so with gradients
-    its logits are recomputed in the backward instead of kept. Returns (N, T, 2): each position's log-prob and
-    entropy (0 without with_entropy)."""
-    T = tokens.shape[1]
-    rows_per_chunk = max(1, 2**26 // (T * vocab_size))
-    # speed: on the CPU the log-softmax runs on pieces of about 8 MB, which its caches hold (4 epochs of the
-    # Medium shape train 15% faster); the same numbers
-    rows_per_piece = rows_per_chunk
+    """logprobs_from_logits of the head's logits (logits_forward) from the hidden states (N, >= T, H) before
+    `tokens` (N, T), a chunk of positions (2**26 logits, 256 MB in float32) at a time whatever the length: no
+    (N, T, V) tensor. With several chunks each runs under torch.utils.checkpoint: with gradients its logits are
+    recomputed in the backward, not kept. Returns (N, T, 2): log-probs, entropies (0 without with_entropy)."""
+    N, T = tokens.shape
+    hidden = hidden[:, :T].reshape(N * T, -1)  # (N*T, H)
+    tokens = tokens.flatten()
+    positions_per_chunk = max(1, 2**26 // vocab_size)
+    one_chunk = N * T <= positions_per_chunk
+    # speed, CPU: the log-softmax on pieces (the same numbers): of 8 MB, which its caches hold, in one chunk (Medium
+    # shape: 15% faster); of 128 MB over several, which the allocator gives back (8 MB: 2.6x the peak at 512 tokens)
+    positions_per_piece = positions_per_chunk
     if hidden.device.type == "cpu":
-        rows_per_piece = max(1, 2**21 // (T * vocab_size))
+        positions_per_piece = max(1, 2**25 // vocab_size)
+    if hidden.device.type == "cpu" and one_chunk:
+        positions_per_piece = max(1, 2**21 // vocab_size)
 
     def chunk_logprobs(hidden_chunk, tokens_chunk):
-        logits = logits_forward(hidden_chunk[:, :T])  # (rows, T, V)
+        logits = logits_forward(hidden_chunk)  # (positions, V)
         pieces = []
-        split = zip(logits.split(rows_per_piece), tokens_chunk.split(rows_per_piece), strict=True)
+        split = zip(logits.split(positions_per_piece), tokens_chunk.split(positions_per_piece), strict=True)
         for piece, piece_tokens in split:
             logprobs_and_entropy = logprobs_from_logits(piece, piece_tokens, temperature, with_entropy)
             pieces.append(torch.stack(logprobs_and_entropy, -1))
-        return torch.cat(pieces)  # (rows, T, 2)
+        return torch.cat(pieces)  # (positions, 2)
 
     # speed: one chunk keeps its logits for the backward, where several would recompute them: one head matmul
     # fewer, and no more memory (the backward holds them either way); the same numbers
-    if len(hidden) <= rows_per_chunk:
-        return chunk_logprobs(hidden, tokens)
+    if one_chunk:
+        return chunk_logprobs(hidden, tokens).view(N, T, 2)
     chunks = []
-    split = zip(hidden.split(rows_per_chunk), tokens.split(rows_per_chunk), strict=True)
+    split = zip(hidden.split(positions_per_chunk), tokens.split(positions_per_chunk), strict=True)
     for hidden_chunk, tokens_chunk in split:
         chunk = torch.utils.checkpoint.checkpoint(
             chunk_logprobs, hidden_chunk, tokens_chunk, use_reentrant=False, preserve_rng_state=False
         )
         chunks.append(chunk)
-    return torch.cat(chunks)
+    return torch.cat(chunks).view(N, T, 2)
 
 
 def model_logprobs(model, inputs, tokens, temperature, with_entropy):
@@ -327,8 +322,7 @@ def model_logprobs(model, inputs, tokens, temperature, with_entropy):
     returned = []  # what the head gave
 
     def forward(hidden):
-        V = head.out_features
-        returned.append(head_logprobs(hidden, logits_forward, V, tokens, temperature, with_entropy))
+        returned.append(head_logprobs(hidden, logits_forward, head.out_features, tokens, temperature, with_entropy))
         return returned[-1]
 
     head.forward = forward
@@ -349,37 +343,41 @@ def forward_logprobs(model, queries, query_mask, responses, response_mask, tempe
     0). Only the positions that predict them reach the head, which gives log-probs, not logits
     (model_logprobs). With k > 1 each prompt runs once (prompt_forward) and its k completions attend to
     its keys and values: the same numbers as one forward per row."""
+    width = responses.shape[1]
+    # speed: the rows' own longest completion, not the rollout's; the padding columns after it get 0
+    T = int(response_mask.sum(1).max())
+    responses = responses[:, :T]
     P = queries.shape[1]
-    T = responses.shape[1]
-    mask = torch.cat([query_mask, response_mask.long()], 1)
+    mask = torch.cat([query_mask, response_mask[:, :T].long()], 1)
     # left padding: positions count real tokens, as in generation
     position_ids = (mask.cumsum(1) - 1).clamp(min=0)
     if k == 1:
         # one forward over prompt + completion; position p predicts the token at p + 1
-        input_ids = torch.cat([queries, responses], 1)
         inputs = dict(
-            input_ids=input_ids,
+            input_ids=torch.cat([queries, responses], 1),
             attention_mask=mask,
             position_ids=position_ids,
             logits_to_keep=T + 1,
             use_cache=False,
         )
-        return model_logprobs(model, inputs, responses, temperature, with_entropy).unbind(-1)
-    # the prompt's last position predicts the first token: (N, 1, V) logits
-    first_logits, cache = prompt_forward(model, queries, query_mask, position_ids[:, :P], k)
-    first = torch.stack(logprobs_from_logits(first_logits, responses[:, :1], temperature, with_entropy), -1)
-    if T == 1:
-        return first.unbind(-1)
-    # each completion but its last token, attending to the cache of its prompt
-    inputs = dict(
-        input_ids=responses[:, :-1],
-        attention_mask=mask[:, :-1],
-        position_ids=position_ids[:, P:-1],
-        **{CACHE: cache},
-        use_cache=True,
-    )
-    rest = model_logprobs(model, inputs, responses[:, 1:], temperature, with_entropy)  # (N, T - 1, 2)
-    return torch.cat([first, rest], 1).unbind(-1)  # (N, T) each
+        logprobs = model_logprobs(model, inputs, responses, temperature, with_entropy)  # (N, T, 2)
+    else:
+        # the prompt's last position predicts the first token: (N, 1, V) logits
+        first_logits, cache = prompt_forward(model, queries, query_mask, position_ids[:, :P], k)
+        first = logprobs_from_logits(first_logits, responses[:, :1], temperature, with_entropy)
+        logprobs = torch.stack(first, -1)  # (N, 1, 2)
+    if k > 1 and T > 1:
+        # each completion but its last token, attending to the cache of its prompt
+        inputs = dict(
+            input_ids=responses[:, :-1],
+            attention_mask=mask[:, :-1],
+            position_ids=position_ids[:, P:-1],
+            **{CACHE: cache},
+            use_cache=True,
+        )
+        rest = model_logprobs(model, inputs, responses[:, 1:], temperature, with_entropy)  # (N, T - 1, 2)
+        logprobs = torch.cat([logprobs, rest], 1)
+    return torch.nn.functional.pad(logprobs, (0, 0, 0, width - T)).unbind(-1)  # (N, width) each
 
 
 def prompt_forward(model, queries, query_mask, position_ids, k):
@@ -397,20 +395,27 @@ def prompt_forward(model, queries, query_mask, position_ids, k):
 def prompt_chunks(n, k, size):
     """Row indices of n rows (k copies of n/k prompts, k-major) in chunks of about `size`: whole prompts, each
     chunk k-major too."""
-    B = n // k
-    prompts_per_chunk = max(1, size // k)
-    chunks = []
-    for start in range(0, B, prompts_per_chunk):
-        prompts = torch.arange(start, min(start + prompts_per_chunk, B))
-        chunks.append((prompts + B * torch.arange(k)[:, None]).flatten())
-    return chunks
+    rows = torch.arange(n).view(k, -1)  # (k, B): row i*B + j is sample i of prompt j
+    return [chunk.flatten() for chunk in rows.split(max(1, size // k), dim=1)]
 
 
-def batched_logprobs(model, queries, query_mask, responses, response_mask, temperature, size, k=1):
-    """forward_logprobs over chunks of about `size` completions (whole prompts with their k copies):
-    (N, T)."""
+def micro_batches(lengths, micro, mini_batch):
+    """One epoch's micro-batches (row indices, in row order): a random order cut into mini-batches, each sorted by
+    completion length (N,) and cut into micro-batches, so that similar lengths pad little. A mini-batch's gradient
+    does not depend on the grouping: the mean of equal micro-batches' means, or each token weighing 1 / its tokens."""
+    order = torch.randperm(len(lengths), device=lengths.device)
+    batches = []
+    for rows in order.split(mini_batch):
+        by_length = rows[lengths[rows].argsort(stable=True)]
+        batches += [micro_rows.sort().values for micro_rows in by_length.split(micro)]
+    return batches
+
+
+def batched_logprobs(model, queries, query_mask, responses, response_mask, temperature, batches, k=1):
+    """forward_logprobs over `batches`, lists of row indices (with k > 1: whole prompts with their k copies,
+    k-major): (N, T)."""
     logprobs = torch.empty(responses.shape, device=responses.device)
-    for rows in prompt_chunks(len(queries), k, size):
+    for rows in batches:
         chunk_logprobs, _ = forward_logprobs(
             model, queries[rows], query_mask[rows], responses[rows], response_mask[rows], temperature, k=k
         )
@@ -507,11 +512,11 @@ def generate(model, queries, query_mask, length, sample, stop_token_id, pad_toke
 
 def rollout(run, queries, query_mask, temperature, generator=None, k=1):
     """Steps 1-2: sample a completion (N, T) for every query row (k copies of each prompt, k-major), cut after
-    its stop token, and its mask; about local_rollout_forward_batch_size rows per call; no column where every
-    completion had stopped. With --use-vllm the engine samples (vllm_generate), and its log-probs of the
-    sampled tokens come third (N, T); else None."""
+    its stop token, and its mask; about local_rollout_forward_batch_size rows per call. With --use-vllm the
+    engine samples (vllm_generate), and its log-probs of the sampled tokens come third (N, T); else None."""
     args = run.args
     pad = run.tokenizer.pad_token_id
+    stop = args.stop_token_id
     vllm_logprobs = None
     if run.llm is not None:
         responses, vllm_logprobs = vllm_generate(run, queries, query_mask, temperature, generator, k)
@@ -520,27 +525,18 @@ def rollout(run, queries, query_mask, temperature, generator=None, k=1):
         sample = functools.partial(
             sample_tokens, temperature=temperature, generator=generator, top_k=args.top_k, top_p=args.top_p
         )
-        # speed: packed float32 weights on the CPU, when not sharded and without autocast
-        packed = run.accelerator.mixed_precision == "no"
-        with generation_context(run) as (model, synced), packed_linears(model, packed and not synced):
+        # speed: one autocast around the rollout keeps each weight's bf16 copy in its cache (each forward's own
+        # would cast every weight at every token); on the CPU, weights packed once per rollout (float32 or bf16)
+        autocast = run.accelerator.autocast()
+        dtype = {"no": torch.float32, "bf16": torch.bfloat16}.get(run.accelerator.mixed_precision)
+        with generation_context(run) as (model, synced), autocast, packed_linears(model, dtype, not synced):
             for rows in prompt_chunks(len(queries), k, args.local_rollout_forward_batch_size):
                 tokens = generate(
-                    model,
-                    queries[rows],
-                    query_mask[rows],
-                    args.response_length,
-                    sample,
-                    stop_token_id=args.stop_token_id,
-                    pad_token_id=pad,
-                    synced=synced,
-                    k=k,
+                    model, queries[rows], query_mask[rows], args.response_length, sample, stop, pad, synced, k
                 )
                 responses[rows, : tokens.shape[1]] = tokens
-    responses, response_mask = truncate_response(responses, args.stop_token_id, pad)
-    T = int(response_mask.sum(1).max())
-    if vllm_logprobs is not None:
-        vllm_logprobs = vllm_logprobs[:, :T]
-    return responses[:, :T], response_mask[:, :T], vllm_logprobs
+    responses, response_mask = truncate_response(responses, stop, pad)
+    return responses, response_mask, vllm_logprobs
 
 
 @torch.no_grad()
@@ -791,10 +787,12 @@ def train(run):
         t1 = now(device)
 
         # ---- 3. log-probs of the sampled tokens under the policy (the update's "old" log-probs) and under
-        # the reference, both in micro-batches of the training forward's size: the same shapes run the same
-        # kernels (on GPUs too), so with one epoch the first ratio is exactly 1, and at first the KL is 0
+        # the reference, both in the first epoch's micro-batches: the same rows at the same shapes run the
+        # same kernels (on GPUs too), so with one epoch the first ratio is exactly 1, and at first the KL is 0
         policy.train()  # no dropout (setup turned it off); train() lets gradient checkpointing work
-        # this rollout's log-probs under a model, in micro-batches of the training forward's size
+        lengths = response_mask.sum(1)  # (k*B,)
+        mini_batch = args.local_batch_size // args.num_mini_batches
+        epoch_batches = [micro_batches(lengths, micro, mini_batch) for _ in range(args.num_ppo_epochs)]  # for step 9
         rollout_logprobs = functools.partial(
             batched_logprobs,
             queries=queries,
@@ -802,7 +800,7 @@ def train(run):
             responses=responses,
             response_mask=response_mask,
             temperature=args.temperature,
-            size=micro,
+            batches=epoch_batches[0],
             k=rows_per_prompt,
         )
         if one_pass:
@@ -840,13 +838,7 @@ def train(run):
 
         # ---- 4. the score: the weighted reward sources; 5. minus missing_eos_penalty if it never stopped
         scores, source_rewards = score_completions(
-            run,
-            dataset_rows,
-            queries,
-            query_mask,
-            responses,
-            response_mask,
-            stopped,
+            run, dataset_rows, queries, query_mask, responses, response_mask, stopped
         )
         raw_scores = scores  # what objective/scores logs: before normalization and clipping
         t2 = now(device)
@@ -901,21 +893,17 @@ def train(run):
         # ---- 9. the update: num_ppo_epochs passes, each over num_mini_batches shuffled mini-batches of
         # gradient_accumulation_steps micro-batches, one optimizer step per mini-batch
         stats = dict.fromkeys(STAT_NAMES, 0.0)  # sums for the metrics, reduced over every rank in step 10
-        epochs = args.num_ppo_epochs if finite else 0  # no epochs at all when the guard skips the update
-        for _ in range(epochs):
-            # drawn even in one pass, so that the random streams stay those of the other paths
-            order = torch.randperm(args.local_batch_size, device=device)
-            if micro == len(order):  # one micro-batch: in its own order
-                order = order.sort().values
+        if not finite:  # no epochs at all when the guard skips the update
+            epoch_batches = []
+        for batches in epoch_batches:
             if args.token_level_kl:
                 # the real tokens of each mini-batch, over every rank: token mode averages the loss over all
                 # of them, so a token weighs the same in a short micro-batch as in a long one (transformers'
                 # Trainer fixed the same bias in gradient accumulation with num_items_in_batch)
-                mini_batch_tokens = response_mask[order].view(args.num_mini_batches, -1).sum(1)
+                mini_batch_tokens = lengths[torch.cat(batches)].view(args.num_mini_batches, -1).sum(1)
                 mini_batch_tokens = all_reduce(mini_batch_tokens)
-            # micro-batches; a mini-batch is gradient_accumulation_steps consecutive ones
-            for start in range(0, len(order), micro):
-                micro_batch = order[start : start + micro]
+            # a mini-batch is gradient_accumulation_steps consecutive micro-batches
+            for index, micro_batch in enumerate(batches):
                 mb_old_logprobs = old_logprobs[micro_batch]
                 mb_response_mask = response_mask[micro_batch]
                 with accelerator.accumulate(policy):
@@ -944,8 +932,8 @@ def train(run):
                     # backward averages over the micro-batches and ranks: each gets its share of the tokens
                     loss_weight = 1.0
                     if args.token_level_kl:
-                        mini_batch = start // (micro * args.gradient_accumulation_steps)
-                        share = mb_response_mask.sum() / mini_batch_tokens[mini_batch]
+                        mini_batch_index = index // args.gradient_accumulation_steps
+                        share = mb_response_mask.sum() / mini_batch_tokens[mini_batch_index]
                         loss_weight = share * args.gradient_accumulation_steps * args.world_size
                     accelerator.backward(loss * loss_weight)
                     # at a mini-batch's last micro-batch: clip, and step unless the gradient is not finite
@@ -967,15 +955,16 @@ def train(run):
         # all-reduce
         grouped = raw_scores.view(k, -1)  # (k, B)
         stats["kl"] = sequence_kl.sum()
-        stats["neglogp"] = (-old_logprobs[response_mask]).sum()
-        stats["scores"] = raw_scores.sum()
-        stats["rlhf"] = rewards.sum()
-        stats["generated"] = response_mask.sum()
-        stats["truncated"] = (~stopped).sum()  # completions that ran out of room
+        # summed by their metrics' names: objective/*, completions/* and rewards/* are averaged over completions
+        stats["objective/entropy"] = (-old_logprobs[response_mask]).sum()
+        stats["objective/scores"] = raw_scores.sum()
+        stats["objective/rlhf_reward"] = rewards.sum()
+        stats["objective/scores_clipped_frac"] = clipped
+        stats["completions/mean_length"] = response_mask.sum()
+        stats["completions/clipped_ratio"] = (~stopped).sum()  # completions that ran out of room
         stats["terminated_tokens"] = response_mask[stopped].sum()
         stats["eos"] = ((responses == tokenizer.eos_token_id) & response_mask).sum()
         stats["zero_std"] = (grouped == grouped[0]).all(0).sum()  # prompts whose k scores are all equal
-        stats["clipped"] = clipped
         for name, values in source_rewards.items():
             stats[f"rewards/{name}"] = values.sum()  # before weighting
         if args.use_vllm:
@@ -1027,9 +1016,10 @@ class Run:
 
 
 PHASES = ("generation", "scoring", "training", "other")
-# the sums that add_stats adds to, by name (train() starts them at 0.0 each update)
-STAT_NAMES = ("loss", "clipfrac", "clipfrac_low", "clipfrac_high", "approxkl", "ratio", "ratio_sq", "entropy")
-STAT_NAMES += ("terms", "tokens")
+PER_COMPLETION = ("objective/", "completions/", "rewards/")  # the metrics averaged over completions
+# add_stats' sums by name (0.0 at each update's start): first the metrics averaged over terms (sequences or tokens)
+PER_TERM = "loss/policy_avg policy/clipfrac_avg policy/clipfrac_low policy/clipfrac_high policy/approxkl_avg".split()
+STAT_NAMES = PER_TERM + ["ratio", "ratio_sq", "entropy", "terms", "tokens"]
 # the lock this process holds on its output directory (an open file), released when main() ends
 LOCKS = []
 
@@ -1060,9 +1050,9 @@ def setup(args):
     eval_rows = []
     if args.eval_steps:
         path = args.eval_dataset_name or args.dataset_name
-        flag = "--eval-dataset-name"
-        limit = args.num_eval_prompts
-        eval_prompts, eval_rows = load_prompts(args, tokenizer, path, args.eval_split, flag, limit)
+        eval_prompts, eval_rows = load_prompts(
+            args, tokenizer, path, args.eval_split, "--eval-dataset-name", args.num_eval_prompts
+        )
     # each reward function is tried on two rows of each dataset before the models load
     sources = [load_reward_fn(spec, rows[:2] + eval_rows[:2], args) for spec in args.reward_fn or []]
     if not sources and not args.reward_model_path:  # the toy task's reward
@@ -1077,8 +1067,8 @@ def setup(args):
     accelerator, zero3 = make_accelerator(args)
     if accelerator.device.type == "cpu":
         torch.set_num_threads(args.cpu_threads)
-    float32_heads = accelerator.mixed_precision != "no"
     longest_prompt = max(map(len, prompts + eval_prompts))
+    float32_heads = accelerator.mixed_precision != "no"
     policy, ref_policy, reward_model = load_models(args, tokenizer, longest_prompt, float32_heads)
     trainable = [p for p in policy.parameters() if p.requires_grad]  # with LoRA, the adapters only
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, eps=1e-8, weight_decay=0.0, fused=True)
@@ -1684,21 +1674,28 @@ def sync_vllm_weights(run):
 
 
 @contextlib.contextmanager
-def packed_linears(model, enabled):
-    """On the CPU, float32 nn.Linear layers of 2**18 weights or more (below, MKL is faster) run through
-    oneDNN on weights reordered once per rollout, as torch.compile does: sampling 16 rows, the unembedding is
-    2.5x faster."""
+def packed_linears(model, dtype, enabled):
+    """On the CPU, nn.Linear layers of 2**18 weights or more (below, MKL is faster) run through oneDNN on weights
+    cast to `dtype` (None: not at all) and reordered once per rollout, as torch.compile does: in float32, sampling
+    16 rows, the unembedding is 2.5x faster; under bf16 autocast each weight is cast once, not at every token, and
+    the head gives bf16 logits to sample from (its float32 forward, float32_head, is for step 3's log-probs)."""
+    linears = []
     on_cpu = next(model.parameters()).device.type == "cpu"
-    usable = enabled and torch.backends.mkldnn.is_available() and on_cpu
-    large = [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.numel() >= 2**18]
-    linears = [m for m in large if usable and m.weight.dtype == torch.float32]
+    if enabled and dtype is not None and torch.backends.mkldnn.is_available() and on_cpu:
+        linears = [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.numel() >= 2**18]
+    forwards = [vars(m).get("forward") for m in linears]  # float32_head's, or none: nn.Linear's own
     linear_pointwise = torch.ops.mkldnn._linear_pointwise
     for m in linears:
-        packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach())
-        m.forward = lambda x, m=m, packed=packed: linear_pointwise(x, packed, m.bias, "none", [], "")
+        packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach().to(dtype))
+        bias = m.bias
+        if bias is not None:
+            bias = bias.detach().to(dtype)
+        m.forward = lambda x, packed=packed, bias=bias: linear_pointwise(x.to(dtype), packed, bias, "none", [], "")
     yield
-    for m in linears:
-        del m.forward  # nn.Linear's own again
+    for m, forward in zip(linears, forwards, strict=True):
+        del m.forward
+        if forward is not None:
+            m.forward = forward
 
 
 @contextlib.contextmanager
@@ -1737,16 +1734,13 @@ def optimizer_step(run):
 def add_stats(stats, loss, clipfracs, new_logprobs, old_logprobs, entropy, mask, token_level):
     """Add one micro-batch to the metric sums, by name; a "term" is a sequence (in token mode, a token).
     clipfracs: policy_loss's fractions of clipped terms, in all, at the lower and at the upper bound."""
-    clipfrac, clipfrac_low, clipfrac_high = clipfracs
     ratio_log = log_ratio(new_logprobs, old_logprobs, mask, sequence_level=not token_level)
     term_mask = mask if token_level else torch.ones_like(ratio_log, dtype=torch.bool)
     terms = term_mask.sum()
     ratio = ratio_log.exp()[term_mask]
-    stats["loss"] += loss * terms
-    stats["clipfrac"] += clipfrac * terms
-    stats["clipfrac_low"] += clipfrac_low * terms
-    stats["clipfrac_high"] += clipfrac_high * terms
-    stats["approxkl"] += 0.5 * (ratio_log[term_mask] ** 2).sum()
+    for name, value in zip(PER_TERM, (loss,) + clipfracs, strict=False):  # the four of policy_loss
+        stats[name] += value * terms
+    stats["policy/approxkl_avg"] += 0.5 * (ratio_log[term_mask] ** 2).sum()
     stats["ratio"] += ratio.sum()
     stats["ratio_sq"] += (ratio**2).sum()
     stats["entropy"] += entropy[mask].sum()
@@ -1778,41 +1772,31 @@ def log_metrics(run, update, stats, lr, times, samples):
         "episode": done * n,
         "eps": (done - run.start_update) * n / max(elapsed, 1e-9),
         "lr": lr,
-        # of the sampled tokens, summed over each completion
-        "objective/entropy": totals["neglogp"] / n,
+        # objective/entropy: of the sampled tokens, summed over each completion; rewards/*: each source's,
+        # before weighting; completions/clipped_ratio: completions without the stop token
+        **{name: total / n for name, total in totals.items() if name.startswith(PER_COMPLETION)},
         "objective/non_score_reward": -args.kl_coef * totals["kl"] / n,
-        "objective/rlhf_reward": totals["rlhf"] / n,
-        "objective/scores": totals["scores"] / n,
-        "objective/scores_clipped_frac": totals["clipped"] / n,
-        "policy/approxkl_avg": totals["approxkl"] / terms,
-        "policy/clipfrac_avg": totals["clipfrac"] / terms,
-        "policy/clipfrac_low": totals["clipfrac_low"] / terms,
-        "policy/clipfrac_high": totals["clipfrac_high"] / terms,
-        "loss/policy_avg": totals["loss"] / terms,
+        **{name: totals[name] / terms for name in PER_TERM},
         # of the full distribution, per real token
         "policy/entropy_avg": totals["entropy"] / tokens,
         "val/ratio": mean_ratio,
         "val/ratio_var": max(totals["ratio_sq"] / terms - mean_ratio**2, 0.0),
         "val/num_eos_tokens": totals["eos"],
-        # completions that ran out of room (response_length without the stop token), and the lengths
-        "completions/clipped_ratio": totals["truncated"] / n,
-        "completions/mean_length": totals["generated"] / n,
-        "completions/mean_terminated_length": totals["terminated_tokens"] / max(n - totals["truncated"], 1.0),
+        "completions/mean_terminated_length": totals["terminated_tokens"]
+        / max(n - totals["completions/clipped_ratio"], 1.0),
         # of the prompts (n / k of them)
         "frac_reward_zero_std": totals["zero_std"] * args.rloo_k / n,
-        # each source's, before weighting
-        **{key: total / n for key, total in totals.items() if key.startswith("rewards/")},
         "train/skipped_steps": run.skipped_steps,
         **{f"time/{phase}": seconds for phase, seconds in phases.items()},
         # generated, over every rank
-        "time/tokens_per_second": totals["generated"] / max(t1 - t0, 1e-9),
+        "time/tokens_per_second": totals["completions/mean_length"] / max(t1 - t0, 1e-9),
         "time/peak_memory_mib": peak_memory_mib(device),  # this rank's
     }
     # at kl_coef 0 no reference runs: a KL of 0 would claim a measurement that was not made
     if args.kl_coef > 0:
         metrics["objective/kl"] = totals["kl"] / n
     if args.use_vllm:
-        metrics["vllm/logprob_diff_mean"] = totals["vllm_diff"] / max(totals["generated"], 1.0)
+        metrics["vllm/logprob_diff_mean"] = totals["vllm_diff"] / max(totals["completions/mean_length"], 1.0)
         metrics["vllm/logprob_diff_max"] = all_reduce(stats["vllm_diff_max"], op=dist.ReduceOp.MAX).item()
     run.phase_totals = {phase: run.phase_totals[phase] + seconds for phase, seconds in phases.items()}
     run.history.append(metrics["objective/scores"])
@@ -1870,8 +1854,7 @@ def evaluate(run, update):
     prompts = [run.eval_prompts[i] for i in indices]
     queries, query_mask = pad_batch(prompts, tokenizer.pad_token_id, device=device)
     generator = torch.Generator(device).manual_seed(args.seed + 100003 * rank + update)
-    temperature = args.eval_temperature
-    responses, response_mask, _ = rollout(run, queries, query_mask, temperature, generator=generator)
+    responses, response_mask, _ = rollout(run, queries, query_mask, args.eval_temperature, generator=generator)
     rows = [run.eval_rows[i] for i in indices]
     stopped = ((responses == args.stop_token_id) & response_mask).any(1)
     scores, rewards = score_completions(run, rows, queries, query_mask, responses, response_mask, stopped)
@@ -1916,7 +1899,7 @@ def end_of_update(run, update, stopping):
     if not stopping:
         return
     # another rank's signal: stop alike
-    number = run.stop_signals[0] if run.stop_signals else signal.SIGTERM
+    number = (run.stop_signals or [signal.SIGTERM])[0]
     if run.accelerator.is_main_process:
         stopped = f"rloo.py: stopped by {signal.Signals(number).name} after update {done}"
         resume = f"resume with --output-dir {args.output_dir} --resume-from-checkpoint latest"
