@@ -1783,12 +1783,12 @@ def log_metrics(run, update, stats, lr, times, samples):
         "val/ratio_var": max(totals["ratio_sq"] / terms - mean_ratio**2, 0.0),
         "val/num_eos_tokens": totals["eos"],
         "completions/mean_terminated_length": totals["terminated_tokens"]
-        / max(n - totals["completions/clipped_ratio"], 1.0),
+        / max(n - totals["completions/clipped_ratio"], 1.0),  # its sum: the completions cut off
         # of the prompts (n / k of them)
         "frac_reward_zero_std": totals["zero_std"] * args.rloo_k / n,
         "train/skipped_steps": run.skipped_steps,
         **{f"time/{phase}": seconds for phase, seconds in phases.items()},
-        # generated, over every rank
+        # the tokens generated (the sum of completions/mean_length), over every rank
         "time/tokens_per_second": totals["completions/mean_length"] / max(t1 - t0, 1e-9),
         "time/peak_memory_mib": peak_memory_mib(device),  # this rank's
     }
