@@ -1611,8 +1611,9 @@ def assert_resumed_run_matches(full_dir, resumed_dir, exact=True):
     for a, b in zip(full, resumed, strict=True):
         for key in ["objective/scores", "objective/kl", "loss/policy_avg"] if "episode" in a else ["eval/scores"]:
             assert a[key] == b[key] if exact else a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5)
+    resumed_weights = load_weights(resumed_dir)
     for name, tensor in load_weights(full_dir).items():
-        other = load_weights(resumed_dir)[name]
+        other = resumed_weights[name]
         assert torch.equal(tensor, other) if exact else torch.allclose(tensor, other, rtol=1e-4, atol=1e-5), name
 
 
@@ -2684,7 +2685,10 @@ def test_real_chat_run_first_ratio_one_kl_zero_and_a_bitwise_resume(smol_work, t
         assert m["objective/scores"] == pytest.approx(statistics.mean(call["scores"]))
     weights, initial = load_weights(tmp_path / "full"), load_weights(smol_work / "smol")
     assert all(not torch.equal(weights[name], initial[name]) for name in initial if "layers.1." in name)
-    shutil.copytree(tmp_path / "full" / "checkpoint-2", tmp_path / "resumed" / "checkpoint-2")
+    # a checkpoint here is 1.6 GB (the weights and AdamW's two moments): moved, not copied, and the last one dropped
+    shutil.rmtree(tmp_path / "full" / "checkpoint-3")
+    (tmp_path / "resumed").mkdir()
+    shutil.move(tmp_path / "full" / "checkpoint-2", tmp_path / "resumed" / "checkpoint-2")
     shutil.copy(tmp_path / "full" / "metrics.jsonl", tmp_path / "resumed" / "metrics.jsonl")
     launch(smol_work, tmp_path / "resumed", *flags, "--resume-from-checkpoint", "latest")
     assert_resumed_run_matches(tmp_path / "full", tmp_path / "resumed")
@@ -2707,6 +2711,7 @@ def test_real_zero3_update_on_two_processes_is_ddps(smol_work, tmp_path):
     flags = [*SMOL, "--total-episodes", "4", "--gradient-accumulation-steps", "1"]
     for backend in ("zero3", "ddp"):
         launch(smol_work, tmp_path / backend, *flags, backend=backend)
+        shutil.rmtree(tmp_path / backend / "checkpoint-1")  # 1.6 GB that nothing reads
     metrics, expected = read_metrics(tmp_path / "zero3"), read_metrics(tmp_path / "ddp")
     assert [m["episode"] for m in metrics] == [4]
     for key in ["objective/scores", "objective/kl", "objective/entropy", "loss/policy_avg", "val/ratio"]:
