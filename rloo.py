@@ -525,16 +525,15 @@ def rollout(run, queries, query_mask, temperature, generator=None, k=1):
         sample = functools.partial(
             sample_tokens, temperature=temperature, generator=generator, top_k=args.top_k, top_p=args.top_p
         )
-        # speed: one autocast around the rollout keeps each weight's bf16 copy in its cache (each forward's own
-        # would cast every weight at every token); on the CPU, weights packed once per rollout (float32 or bf16)
-        autocast = run.accelerator.autocast()
-        dtype = {"no": torch.float32, "bf16": torch.bfloat16}.get(run.accelerator.mixed_precision)
-        with generation_context(run) as (model, synced), autocast, packed_linears(model, dtype, not synced):
-            for rows in prompt_chunks(len(queries), k, args.local_rollout_forward_batch_size):
-                tokens = generate(
-                    model, queries[rows], query_mask[rows], args.response_length, sample, stop, pad, synced, k
-                )
-                responses[rows, : tokens.shape[1]] = tokens
+        # speed: one autocast for the rollout casts each weight to bf16 once, not at every token (CPU: packed_linears)
+        dtype = {"bf16": torch.bfloat16}.get(run.accelerator.mixed_precision, torch.float32)
+        with generation_context(run) as (model, synced), run.accelerator.autocast():
+            with packed_linears(model, dtype, not synced):
+                for rows in prompt_chunks(len(queries), k, args.local_rollout_forward_batch_size):
+                    tokens = generate(
+                        model, queries[rows], query_mask[rows], args.response_length, sample, stop, pad, synced, k
+                    )
+                    responses[rows, : tokens.shape[1]] = tokens
     responses, response_mask = truncate_response(responses, stop, pad)
     return responses, response_mask, vllm_logprobs
 
@@ -1163,14 +1162,12 @@ def resolve_args(args, world_size, tokenizer, num_prompts, saved=None):
     # the reward model, then each reward function; none: the toy reward
     sources = int(args.reward_model_path is not None) + len(args.reward_fn or []) or 1
     if args.reward_weights is not None and len(args.reward_weights) != sources:
-        order = "the reward model's first, then each --reward-fn's"
-        raise ArgumentError(f"--reward-weights: give {sources}, {order}")
+        raise ArgumentError(f"--reward-weights: give {sources}, the reward model's first, then each --reward-fn's")
     if args.top_p > 1:
         raise ArgumentError(f"--top-p must be at most 1 (got {args.top_p})")
     no_stop_token = args.stop_token is None and args.stop_token_id is None
     if args.missing_eos_penalty is not None and no_stop_token:
-        fix = "add --stop-token eos or --stop-token-id"
-        raise ArgumentError(f"--missing-eos-penalty needs a stop token: {fix}")
+        raise ArgumentError("--missing-eos-penalty needs a stop token: add --stop-token eos or --stop-token-id")
     if args.mask_truncated_completions and no_stop_token:
         fix = "add --stop-token eos or --stop-token-id: without one, every completion is truncated"
         raise ArgumentError(f"--mask-truncated-completions needs a stop token: {fix}")
@@ -1190,8 +1187,7 @@ def resolve_args(args, world_size, tokenizer, num_prompts, saved=None):
     if args.stop_token == "eos" and tokenizer.eos_token_id is None:
         raise ArgumentError("--stop-token eos: the policy's tokenizer has no eos token; give --stop-token-id")
     if args.stop_token_id is not None and args.stop_token_id >= len(tokenizer):
-        vocabulary = f"the policy's {len(tokenizer)} tokens"
-        raise ArgumentError(f"--stop-token-id {args.stop_token_id} is not in {vocabulary}")
+        raise ArgumentError(f"--stop-token-id {args.stop_token_id} is not in the policy's {len(tokenizer)} tokens")
     if args.seed + 100003 * (world_size - 1) >= 2**32:
         raise ArgumentError(f"--seed must be below 2**32 - 100003 x (processes - 1) (got {args.seed})")
     # a resumed run keeps the checkpoint's length
@@ -1222,8 +1218,7 @@ def resolve_args(args, world_size, tokenizer, num_prompts, saved=None):
     if num_prompts < needed:
         raise ArgumentError(f"--dataset-name: one update needs {needed} prompts, there are {num_prompts}")
     if args.total_episodes < args.batch_size:
-        one_update = f"one update ({args.batch_size})"
-        raise ArgumentError(f"--total-episodes {args.total_episodes} is less than {one_update}")
+        raise ArgumentError(f"--total-episodes {args.total_episodes} is less than one update ({args.batch_size})")
     if saved is None:
         return
     path = saved["path"]
@@ -1261,8 +1256,7 @@ def load_pretrained(model_class, path, flag, args, **kwargs):
     try:
         return model_class.from_pretrained(path, trust_remote_code=args.trust_remote_code, **kwargs)
     except (OSError, ValueError) as error:
-        problem = f"nothing to load ({error!r:.160})"
-        raise ArgumentError(f"{flag} {path}: {problem}; offline: a local directory") from None
+        raise ArgumentError(f"{flag} {path}: nothing to load ({error!r:.160}); offline: a local directory") from None
 
 
 def load_prompts(args, tokenizer, path, split, flag, limit=None):
@@ -1675,25 +1669,29 @@ def sync_vllm_weights(run):
 
 @contextlib.contextmanager
 def packed_linears(model, dtype, enabled):
-    """On the CPU, nn.Linear layers of 2**18 weights or more (below, MKL is faster) run through oneDNN on weights
-    cast to `dtype` (None: not at all) and reordered once per rollout, as torch.compile does: in float32, sampling
-    16 rows, the unembedding is 2.5x faster; under bf16 autocast each weight is cast once, not at every token, and
-    the head gives bf16 logits to sample from (its float32 forward, float32_head, is for step 3's log-probs)."""
+    """On the CPU, sampling runs in float32, autocast off (accelerate's around the model's forward too), but for
+    nn.Linear layers of 2**18 weights or more (below, MKL is faster): those run through oneDNN on weights cast to
+    `dtype` and reordered once per rollout, as torch.compile does, and return float32. In float32, sampling 16 rows,
+    the unembedding is 2.5x faster; in bf16 each weight is cast once, not at every token, and attention stays in
+    float32: the CPU's bf16 attention of one position against a cache takes 6x its float32 time (bf16 sampling 4.2
+    -> 2.9 s at SmolLM2's shape). A head's float32 forward (float32_head) waits for the log-probs."""
     linears = []
-    on_cpu = next(model.parameters()).device.type == "cpu"
-    if enabled and dtype is not None and torch.backends.mkldnn.is_available() and on_cpu:
+    if enabled and torch.backends.mkldnn.is_available() and model.device.type == "cpu":
         linears = [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.numel() >= 2**18]
-    forwards = [vars(m).get("forward") for m in linears]  # float32_head's, or none: nn.Linear's own
+    # float32_head's forwards, accelerate's autocast around the model's, or none (nn.Linear's own): off, then back
+    modules = [*linears, model]
+    forwards = [vars(m).pop("forward", None) for m in modules]
     linear_pointwise = torch.ops.mkldnn._linear_pointwise
     for m in linears:
         packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach().to(dtype))
         bias = m.bias
         if bias is not None:
             bias = bias.detach().to(dtype)
-        m.forward = lambda x, packed=packed, bias=bias: linear_pointwise(x.to(dtype), packed, bias, "none", [], "")
-    yield
-    for m, forward in zip(linears, forwards, strict=True):
-        del m.forward
+        m.forward = lambda x, p=packed, b=bias: linear_pointwise(x.to(dtype), p, b, "none", [], "").float()
+    with torch.autocast("cpu", enabled=False):
+        yield
+    for m, forward in zip(modules, forwards, strict=True):
+        vars(m).pop("forward", None)
         if forward is not None:
             m.forward = forward
 
