@@ -525,15 +525,16 @@ def rollout(run, queries, query_mask, temperature, generator=None, k=1):
         sample = functools.partial(
             sample_tokens, temperature=temperature, generator=generator, top_k=args.top_k, top_p=args.top_p
         )
-        # speed: one autocast for the rollout casts each weight to bf16 once, not at every token (CPU: packed_linears)
-        dtype = {"bf16": torch.bfloat16}.get(run.accelerator.mixed_precision, torch.float32)
-        with generation_context(run) as (model, synced), run.accelerator.autocast():
-            with packed_linears(model, dtype, not synced):
-                for rows in prompt_chunks(len(queries), k, args.local_rollout_forward_batch_size):
-                    tokens = generate(
-                        model, queries[rows], query_mask[rows], args.response_length, sample, stop, pad, synced, k
-                    )
-                    responses[rows, : tokens.shape[1]] = tokens
+        # speed: one autocast around the rollout keeps each weight's bf16 copy in its cache (each forward's own
+        # would cast every weight at every token); on the CPU, weights packed once per rollout (float32 or bf16)
+        autocast = run.accelerator.autocast()
+        dtype = {"no": torch.float32, "bf16": torch.bfloat16}.get(run.accelerator.mixed_precision)
+        with generation_context(run) as (model, synced), autocast, packed_linears(model, dtype, not synced):
+            for rows in prompt_chunks(len(queries), k, args.local_rollout_forward_batch_size):
+                tokens = generate(
+                    model, queries[rows], query_mask[rows], args.response_length, sample, stop, pad, synced, k
+                )
+                responses[rows, : tokens.shape[1]] = tokens
     responses, response_mask = truncate_response(responses, stop, pad)
     return responses, response_mask, vllm_logprobs
 
@@ -1669,29 +1670,25 @@ def sync_vllm_weights(run):
 
 @contextlib.contextmanager
 def packed_linears(model, dtype, enabled):
-    """On the CPU, sampling runs in float32, autocast off (accelerate's around the model's forward too), but for
-    nn.Linear layers of 2**18 weights or more (below, MKL is faster): those run through oneDNN on weights cast to
-    `dtype` and reordered once per rollout, as torch.compile does, and return float32. In float32, sampling 16 rows,
-    the unembedding is 2.5x faster; in bf16 each weight is cast once, not at every token, and attention stays in
-    float32: the CPU's bf16 attention of one position against a cache takes 6x its float32 time (bf16 sampling 4.2
-    -> 2.9 s at SmolLM2's shape). A head's float32 forward (float32_head) waits for the log-probs."""
+    """On the CPU, nn.Linear layers of 2**18 weights or more (below, MKL is faster) run through oneDNN on weights
+    cast to `dtype` (None: not at all) and reordered once per rollout, as torch.compile does: in float32, sampling
+    16 rows, the unembedding is 2.5x faster; under bf16 autocast each weight is cast once, not at every token, and
+    the head gives bf16 logits to sample from (its float32 forward, float32_head, is for step 3's log-probs)."""
     linears = []
-    if enabled and torch.backends.mkldnn.is_available() and model.device.type == "cpu":
+    on_cpu = next(model.parameters()).device.type == "cpu"
+    if enabled and dtype is not None and torch.backends.mkldnn.is_available() and on_cpu:
         linears = [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.numel() >= 2**18]
-    # float32_head's forwards, accelerate's autocast around the model's, or none (nn.Linear's own): off, then back
-    modules = [*linears, model]
-    forwards = [vars(m).pop("forward", None) for m in modules]
+    forwards = [vars(m).get("forward") for m in linears]  # float32_head's, or none: nn.Linear's own
     linear_pointwise = torch.ops.mkldnn._linear_pointwise
     for m in linears:
         packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach().to(dtype))
         bias = m.bias
         if bias is not None:
             bias = bias.detach().to(dtype)
-        m.forward = lambda x, p=packed, b=bias: linear_pointwise(x.to(dtype), p, b, "none", [], "").float()
-    with torch.autocast("cpu", enabled=False):
-        yield
-    for m, forward in zip(modules, forwards, strict=True):
-        vars(m).pop("forward", None)
+        m.forward = lambda x, packed=packed, bias=bias: linear_pointwise(x.to(dtype), packed, bias, "none", [], "")
+    yield
+    for m, forward in zip(linears, forwards, strict=True):
+        del m.forward
         if forward is not None:
             m.forward = forward
 
