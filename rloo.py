@@ -282,13 +282,14 @@ def head_logprobs(hidden, logits_forward, vocab_size, tokens, temperature, with_
     tokens = tokens.flatten()
     positions_per_chunk = max(1, 2**26 // vocab_size)
     one_chunk = N * T <= positions_per_chunk
-    # speed, CPU: the log-softmax on pieces (same numbers): of 8 MB, which its caches hold, up to 4 chunks (Medium,
-    # SmolLM2: 15-20% faster); of 128 MB beyond, which the allocator gives back (8 MB: 2.6x the peak, 16 x 512 x 151936)
+    # speed, CPU: the log-softmax on pieces, the same numbers; of 128 MB, which the allocator gives back (8 MB pieces
+    # made the peak 2.6x at 16 x 512 x 151936 logits)
     positions_per_piece = positions_per_chunk
     if hidden.device.type == "cpu":
         positions_per_piece = max(1, 2**25 // vocab_size)
-    if hidden.device.type == "cpu" and N * T <= 4 * positions_per_chunk:
-        positions_per_piece = max(1, 2**21 // vocab_size)
+        # up to 4 chunks, of 8 MB, which the caches hold (the Medium and SmolLM2 shapes train 15-20% faster)
+        if N * T <= 4 * positions_per_chunk:
+            positions_per_piece = max(1, 2**21 // vocab_size)
 
     def chunk_logprobs(hidden_chunk, tokens_chunk):
         logits = logits_forward(hidden_chunk)  # (positions, V)
@@ -1733,7 +1734,7 @@ def add_stats(stats, loss, clipfracs, new_logprobs, old_logprobs, entropy, mask,
     term_mask = mask if token_level else torch.ones_like(ratio_log, dtype=torch.bool)
     terms = term_mask.sum()
     ratio = ratio_log.exp()[term_mask]
-    for name, value in zip(PER_TERM, (loss,) + clipfracs, strict=False):  # the four of policy_loss
+    for name, value in zip(PER_TERM[:4], (loss,) + clipfracs, strict=True):  # the four of policy_loss
         stats[name] += value * terms
     stats["policy/approxkl_avg"] += 0.5 * (ratio_log[term_mask] ** 2).sum()
     stats["ratio"] += ratio.sum()
@@ -1756,6 +1757,8 @@ def log_metrics(run, update, stats, lr, times, samples):
     n = args.batch_size
     terms = max(totals["terms"], 1.0)
     tokens = max(totals["tokens"], 1.0)
+    generated = totals["completions/mean_length"]  # its sum: the tokens generated, over every rank
+    cut_off = totals["completions/clipped_ratio"]  # its sum: the completions without the stop token
     elapsed = time.perf_counter() - run.start_time
     t0, t1, t2, t3 = times
     # where this update's time went; "other" is the time since the previous update's training: metrics,
@@ -1777,21 +1780,19 @@ def log_metrics(run, update, stats, lr, times, samples):
         "val/ratio": mean_ratio,
         "val/ratio_var": max(totals["ratio_sq"] / terms - mean_ratio**2, 0.0),
         "val/num_eos_tokens": totals["eos"],
-        "completions/mean_terminated_length": totals["terminated_tokens"]
-        / max(n - totals["completions/clipped_ratio"], 1.0),  # its sum: the completions cut off
+        "completions/mean_terminated_length": totals["terminated_tokens"] / max(n - cut_off, 1.0),
         # of the prompts (n / k of them)
         "frac_reward_zero_std": totals["zero_std"] * args.rloo_k / n,
         "train/skipped_steps": run.skipped_steps,
         **{f"time/{phase}": seconds for phase, seconds in phases.items()},
-        # the tokens generated (the sum of completions/mean_length), over every rank
-        "time/tokens_per_second": totals["completions/mean_length"] / max(t1 - t0, 1e-9),
+        "time/tokens_per_second": generated / max(t1 - t0, 1e-9),
         "time/peak_memory_mib": peak_memory_mib(device),  # this rank's
     }
     # at kl_coef 0 no reference runs: a KL of 0 would claim a measurement that was not made
     if args.kl_coef > 0:
         metrics["objective/kl"] = totals["kl"] / n
     if args.use_vllm:
-        metrics["vllm/logprob_diff_mean"] = totals["vllm_diff"] / max(totals["completions/mean_length"], 1.0)
+        metrics["vllm/logprob_diff_mean"] = totals["vllm_diff"] / max(generated, 1.0)
         metrics["vllm/logprob_diff_max"] = all_reduce(stats["vllm_diff_max"], op=dist.ReduceOp.MAX).item()
     run.phase_totals = {phase: run.phase_totals[phase] + seconds for phase, seconds in phases.items()}
     run.history.append(metrics["objective/scores"])
