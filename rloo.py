@@ -83,9 +83,11 @@ class Args:
     local_rollout_forward_batch_size: int = 64  # completions per forward pass in generation and scoring
     rloo_k: int = 2  # completions sampled per prompt (the k of RLOO)
     kl_coef: float = 0.05  # weight of the KL penalty against the reference policy
-    token_level_kl: bool = False  # the KL penalty on each token's advantage (True), or in the sequence reward
+    # the KL penalty on each token's advantage, its KL-to-go, with a per-token ratio (True); or in the sequence
+    # reward. Not TRL 0.21's flag, which sums the per-token KL back into the sequence reward: the same estimator
+    token_level_kl: bool = False
     normalize_reward: bool = False  # z-score the scores over the global batch
-    reward_clip_range: float = 10.0  # clip the scores to [-c, c]
+    reward_clip_range: float = 10.0  # with --normalize-reward, clip the normalized scores to [-c, c] (as TRL)
     whiten_rewards: bool = False  # divide the rewards entering the baseline by their standard deviation
     normalize_advantage: bool = False  # z-score the advantages over the global batch
     total_episodes: Optional[int] = None  # completions to train on; None: num_train_epochs x the prompts
@@ -437,12 +439,14 @@ def float32_head(linear):
     linear.forward = forward
 
 
-def get_reward(reward_model, input_ids, attention_mask, last_index):
+def get_reward(reward_model, input_ids, attention_mask, last_index, token_type_ids=None):
     """The reward model's value (N,) for each sequence. A decoder classifier (a `score` head) is read at
     last_index: its backbone's hidden state there, through the head (its own pooling looks for the pad id,
-    which may be eos). An encoder (BERT, RoBERTa, DeBERTa...) pools its first token in its own forward."""
+    which may be eos). An encoder (BERT, RoBERTa, DeBERTa...) pools its first token in its own forward, with the
+    token types of its two segments where it has them."""
     if not hasattr(reward_model, "score"):
-        return reward_model(input_ids=input_ids, attention_mask=attention_mask).logits[:, 0].float()
+        inputs = dict(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
+        return reward_model(**inputs).logits[:, 0].float()
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
     backbone = getattr(reward_model, reward_model.base_model_prefix)
     hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
@@ -457,8 +461,9 @@ def sample_tokens(logits, temperature, generator=None, top_k=0, top_p=1.0):
     is greedy decoding. top_k > 0 keeps the k largest logits, then top_p < 1 the fewest most likely tokens
     whose probability reaches top_p (the first always). A row holding NaN (a diverged policy, or a vanishing
     temperature) gives the last id; the non-finite guard then skips the update.
-    Speed: inverse-CDF sampling, one uniform number per row located in the cumulative probabilities, where
-    torch.multinomial is slow over a large vocabulary."""
+    Speed: inverse-CDF sampling (torch.multinomial is slow over a large vocabulary), in two levels whose
+    cumulative sums are float64: a block of 256 tokens by its probability, then a token of that block. A float32
+    cumulative sum has steps of 6e-8 past 0.5, where a token less likely than 3e-8 would never be drawn."""
     if temperature == 0:
         return logits.argmax(-1)
     logits = logits / temperature
@@ -472,10 +477,19 @@ def sample_tokens(logits, temperature, generator=None, top_k=0, top_p=1.0):
         left_out = sorted_probabilities.cumsum(-1) - sorted_probabilities >= top_p
         left_out = torch.zeros_like(left_out).scatter(-1, order, left_out)  # back in vocabulary order
         probabilities = probabilities.masked_fill(left_out, 0.0)
-    cdf = probabilities.cumsum(-1)  # (N, V); its last column renormalizes what top-k and top-p left
-    uniform = torch.rand(len(cdf), 1, device=cdf.device, generator=generator) * cdf[:, -1:]
-    sampled = torch.searchsorted(cdf, uniform, right=True).squeeze(1)
-    return sampled.clamp(max=cdf.shape[1] - 1)
+    N, V = probabilities.shape
+    blocks = torch.nn.functional.pad(probabilities, (0, -V % 256)).view(N, -1, 256)  # (N, V / 256, 256)
+    block = inverse_cdf(blocks.sum(-1).double(), generator)  # (N,)
+    token = inverse_cdf(blocks[torch.arange(N, device=block.device), block].double(), generator)
+    return (256 * block + token).clamp(max=V - 1)
+
+
+def inverse_cdf(weights, generator=None):
+    """One index per row of weights (N, n), drawn with probability weights / their sum: a uniform number located
+    in the cumulative sums (of the weights' dtype). The sum renormalizes what top-k and top-p left."""
+    cdf = weights.cumsum(-1)
+    uniform = torch.rand(len(cdf), 1, dtype=cdf.dtype, device=cdf.device, generator=generator) * cdf[:, -1:]
+    return torch.searchsorted(cdf, uniform, right=True).squeeze(1).clamp(max=cdf.shape[1] - 1)
 
 
 @torch.no_grad()
@@ -623,20 +637,32 @@ def score_completions(run, rows, queries, query_mask, responses, response_mask, 
         input_ids = torch.cat([queries, responses], 1)
         attention_mask = torch.cat([query_mask, response_mask.long()], 1)
         last_index = queries.shape[1] + response_mask.sum(1) - 1  # the last real token
+        token_type_ids = None
         if source.tokenizer is not None:
-            # re-encoded: left-padded for a decoder, so that the last token is last
+            # re-encoded: left-padded for a decoder, so that the last token is last; an encoder (no `score` head)
+            # reads prompt and completion as two segments
+            encoder = not hasattr(model, "score")
             prompts = [row[args.dataset_text_field] for row in rows]
             texts = zip(prompts, completions, stopped.tolist(), strict=True)
-            encoded = [render_for_reward(source.tokenizer, p, c, stop) for p, c, stop in texts]
+            encoded = [render_for_reward(source.tokenizer, p, c, stop, encoder) for p, c, stop in texts]
             pad = source.tokenizer.pad_token_id
-            input_ids, attention_mask = pad_batch(encoded, pad, left=hasattr(model, "score"), device=device)
+            input_ids, attention_mask = pad_batch([e["input_ids"] for e in encoded], pad, not encoder, device)
+            if "token_type_ids" in encoded[0]:  # the segments of a pair: 0, then 1
+                token_type_ids = pad_batch([e["token_type_ids"] for e in encoded], 0, False, device)[0]
             last_index = torch.full((len(input_ids),), input_ids.shape[1] - 1, device=device)
+            # nothing is truncated: a text beyond the reward model's positions would index past them
+            positions = getattr(model.config, "max_position_embeddings", math.inf)
+            if input_ids.shape[1] > positions:
+                fix = "lower --response-length or --max-prompt-length"
+                length = f"a prompt + completion of {input_ids.shape[1]} of its tokens"
+                raise ArgumentError(f"{source.flag}: {length} is beyond its {positions} positions; {fix}")
         values = []
         size = args.local_rollout_forward_batch_size
         with run.accelerator.autocast():
             for start in range(0, len(input_ids), size):
                 chunk = slice(start, start + size)
-                values.append(get_reward(model, input_ids[chunk], attention_mask[chunk], last_index[chunk]))
+                types = None if token_type_ids is None else token_type_ids[chunk]
+                values.append(get_reward(model, input_ids[chunk], attention_mask[chunk], last_index[chunk], types))
         rewards[source.name] = torch.cat(values)
     scores = sum(source.weight * rewards[source.name] for source in run.reward_sources)
     if args.missing_eos_penalty is not None:  # resolve_args made sure a stop token is set
@@ -659,19 +685,23 @@ def call_reward_fn(source, rows, completions, text_field):
     return [float(score) for score in scores]  # float's own error for a value that is not a number
 
 
-def render_for_reward(tokenizer, prompt, completion, stopped):
-    """prompt + completion as a reward model's own tokenizer writes them: its special tokens (a BOS, or
-    [CLS] ... [SEP]), a chat prompt through its chat template with the completion as the assistant's turn,
-    and its eos after a completion that stopped, since reward models trained on TRL-style data are read at
-    that eos."""
+def render_for_reward(tokenizer, prompt, completion, stopped, encoder=False):
+    """prompt + completion as a reward model's own tokenizer writes them, {"input_ids": ...}: its special tokens
+    (a BOS); a chat prompt through its chat template with the completion as the assistant's turn, closed only if
+    the completion stopped; an encoder's two segments, [CLS] prompt [SEP] completion [SEP], with their
+    "token_type_ids", as cross-encoders are trained; else its eos after a completion that stopped, since reward
+    models trained on TRL-style data are read at that eos."""
     if isinstance(prompt, list):
         messages = prompt + [{"role": "assistant", "content": completion}]
-        return tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
+        ids = tokenizer.apply_chat_template(messages, continue_final_message=not stopped, return_dict=False)
+        return {"input_ids": ids}
+    if encoder:
+        return dict(tokenizer(prompt, completion))
     ids = tokenizer(prompt + completion)["input_ids"]
     eos = tokenizer.eos_token_id
     if stopped and eos is not None and ids[-1] != eos:
-        return ids + [eos]
-    return ids
+        ids = ids + [eos]
+    return {"input_ids": ids}
 
 
 def pad_batch(sequences, pad_token_id, left=True, device=None):
@@ -844,11 +874,13 @@ def train(run):
         raw_scores = scores  # what objective/scores logs: before normalization and clipping
         t2 = now(device)
 
-        # ---- 6. normalize (optional, over the global batch) and always clip to [-c, c]
+        # ---- 6. normalize (optional, over the global batch), and clip the normalized scores to [-c, c]; raw
+        # scores are not clipped (as in TRL 0.21: a reward's own scale is not cut at an arbitrary c)
+        clipped = torch.zeros((), device=device)  # for objective/scores_clipped_frac
         if args.normalize_reward:
             scores = whiten(scores)
-        clipped = (scores.abs() > args.reward_clip_range).sum()  # for objective/scores_clipped_frac
-        scores = scores.clamp(-args.reward_clip_range, args.reward_clip_range)
+            clipped = (scores.abs() > args.reward_clip_range).sum()
+            scores = scores.clamp(-args.reward_clip_range, args.reward_clip_range)
 
         # ---- 7. the KL to the reference, per token; a completion's reward r: its score minus its KL penalty
         if args.kl_coef > 0:
@@ -880,15 +912,15 @@ def train(run):
 
         # ---- the non-finite guard: a NaN or inf anywhere in the rollout (a score before clipping, which
         # would make an inf finite; an advantage; the policy's log-probs, or the KL, where the reference's are
-        # not finite) skips this update on every rank
-        checked = (raw_scores, advantages, torch.where(response_mask, old_logprobs, 0.0), kl)
+        # not finite; an importance weight, where the engine's are not) skips this update on every rank
+        checked = (raw_scores, advantages, torch.where(response_mask, old_logprobs, 0.0), kl, importance_weights)
         bad = torch.stack([~torch.isfinite(values).all() for values in checked]).any()
         finite = all_reduce(bad.float()).item() == 0
         # 3 skipped updates in a row stop the run (end_of_update)
         if finite:
             run.consecutive_skips = 0
         else:
-            run.skipped_steps += 1
+            run.skipped_steps += args.num_ppo_epochs * args.num_mini_batches  # the optimizer steps not taken
             run.consecutive_skips += 1
 
         # ---- 9. the update: num_ppo_epochs passes, each over num_mini_batches shuffled mini-batches of
@@ -973,12 +1005,15 @@ def train(run):
             vllm_diff = torch.where(response_mask, (old_logprobs - vllm_logprobs).abs(), 0.0)  # (k*B, T)
             stats["vllm_diff"] = vllm_diff.sum()
             stats["vllm_diff_max"] = vllm_diff.max()  # log_metrics takes its maximum over the ranks
-        # the sample table: this rank's first prompt and its k completions (rows 0, B, 2B, ...)
+        # the sample table: this rank's first prompt and its k completions (rows 0, B, 2B, ...), with the
+        # advantages the update used (token mode: the first token's)
+        trained_advantages = advantages[:, 0] if args.token_level_kl else advantages  # (k*B,)
         samples = dict(
             prompt=queries[0],
             completions=responses[::B],
             scores=raw_scores[::B],
             rewards=rewards[::B],
+            advantages=trained_advantages[::B],
         )
         stopping = log_metrics(run, update, stats, lr, (t0, t1, t2, t3), samples)
         end_of_update(run, update, stopping)  # evaluation, checkpoint, a stop on a signal
@@ -1355,6 +1390,13 @@ def load_models(args, tokenizer, longest_prompt, float32_heads):
             policy = get_peft_model(policy, lora_config)
         except ValueError as error:
             raise ArgumentError(f"--lora-target-modules {targets}: {error!r:.160}") from None
+        # peft stops only when no name matches: each one must, or its adapters would be silently missing
+        matched = policy.targeted_module_names
+        for target in args.lora_target_modules or []:
+            if not any(name == target or name.endswith("." + target) for name in matched):
+                linears = {name.split(".")[-1] for name, m in policy.named_modules() if type(m) is torch.nn.Linear}
+                fix = f"the policy's linear layers are {', '.join(sorted(linears))}"
+                raise ArgumentError(f"--lora-target-modules: {target} matches no module; {fix}")
     # the longest prompt and a whole completion must fit the positions of each model that reads them
     contexts = [(policy.config, "policy")]
     reward_model = None
@@ -1389,8 +1431,12 @@ def load_models(args, tokenizer, longest_prompt, float32_heads):
                 module.p = 0.0
         # a reward model's score head, or the unembedding; an encoder's classifier: none
         head = getattr(model, "score", None) or model.get_output_embeddings()
+        # each of its linear layers: with LoRA on the head, peft's layer runs its base layer and the adapter's A and
+        # B (its own `weight` is the base layer's alone)
         if float32_heads and head is not None:
-            float32_head(head)
+            for linear in head.modules():
+                if isinstance(linear, torch.nn.Linear):
+                    float32_head(linear)
     if args.gradient_checkpointing:
         # activation_checkpointing_enable from transformers 5.23; gradient_checkpointing_enable before
         # (deprecated then)
@@ -1460,6 +1506,10 @@ def make_accelerator(args):
         os.environ["ACCELERATE_USE_CPU"] = "true"
     options = dict(log_with=None if args.report_to == "none" else args.report_to, project_dir=args.output_dir)
     options["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")] if cpu_group else []
+    # Apple's GPU (mps), which accelerate would pick: rloo.py has never run there (no float64, other kernels)
+    options["cpu"] = torch.backends.mps.is_available() and not torch.cuda.is_available()
+    if options["cpu"] and os.environ.get("RANK", "0") == "0":
+        print("rloo.py: on the CPU: Apple's GPU (mps) is not supported", file=sys.stderr)
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps, **options)
     kind = accelerator.distributed_type
     processes = accelerator.num_processes
@@ -1672,12 +1722,17 @@ def sync_vllm_weights(run):
 @contextlib.contextmanager
 def packed_linears(model, dtype, enabled):
     """On the CPU, nn.Linear layers of 2**18 weights or more (below, MKL is faster) run through oneDNN on weights
-    cast to `dtype` (None: not at all) and reordered once per rollout, as torch.compile does: in float32, sampling
-    16 rows, the unembedding is 2.5x faster; under bf16 autocast each weight is cast once, not at every token, and
-    the head gives bf16 logits to sample from (its float32 forward, float32_head, is for step 3's log-probs)."""
+    cast to `dtype` (None: not at all) and reordered once per rollout, as torch.compile does. Sampling SmolLM2-135M
+    (64 rows, 32 tokens) it saves 39% of the time in float32 and 20% in bf16 on an AVX512-BF16 CPU, 20% in float32
+    on one capped to AVX2. Under bf16 autocast each weight is cast once, not at every token, and the head gives bf16
+    logits to sample from (its float32 forward, float32_head, is for step 3's log-probs)."""
     linears = []
     on_cpu = next(model.parameters()).device.type == "cpu"
-    if enabled and dtype is not None and torch.backends.mkldnn.is_available() and on_cpu:
+    can_pack = enabled and on_cpu and dtype is not None and torch.backends.mkldnn.is_available()
+    # oneDNN packs bf16 weights only for a CPU with bf16 units (AVX512-BF16, AMX); elsewhere they stay as they are
+    if can_pack and dtype == torch.bfloat16:
+        can_pack = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    if can_pack:
         linears = [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.numel() >= 2**18]
     forwards = [vars(m).get("forward") for m in linears]  # float32_head's, or none: nn.Linear's own
     linear_pointwise = torch.ops.mkldnn._linear_pointwise
@@ -1816,17 +1871,17 @@ def log_metrics(run, update, stats, lr, times, samples):
 
 def print_samples(tokenizer, samples):
     """The sample table: one prompt, then each of its k completions with its score, its reward r, its baseline
-    (the mean reward of the other k-1 completions) and its leave-one-out advantage r - baseline."""
+    (the mean reward of the other k-1 completions) and the advantage the update used: r - baseline, then
+    --whiten-rewards, --normalize-advantage, --mask-truncated-completions (token mode: the first token's)."""
     rewards = samples["rewards"]  # (k,)
     baselines = (rewards.sum() - rewards) / (len(rewards) - 1)
-    advantages = rewards - baselines
     # (k, 4): each completion's score, reward, baseline and advantage
-    table = torch.stack([samples["scores"], rewards, baselines, advantages], dim=1).tolist()
+    table = torch.stack([samples["scores"], rewards, baselines, samples["advantages"]], dim=1).tolist()
     prompt = tokenizer.decode(samples["prompt"], skip_special_tokens=True)
     completions = tokenizer.batch_decode(samples["completions"], skip_special_tokens=True)
     # repr escapes control bytes (a newline, a terminal's escape sequences)
     print(f"prompt: {repr(prompt)[1:-1][:110]}")
-    print(f"baseline: the mean reward of the other {len(rewards) - 1}; advantage: reward - baseline")
+    print(f"baseline: the mean reward of the other {len(rewards) - 1}; advantage: reward - baseline, as trained")
     print(f"{'completion':<60} | score   | reward  | baseline | advantage")
     for completion, (score, reward, baseline, advantage) in zip(completions, table, strict=True):
         numbers = f"{score:7.3f} | {reward:7.3f} | {baseline:8.3f} | {advantage:9.3f}"

