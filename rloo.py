@@ -1,9 +1,8 @@
 """RLOO (REINFORCE Leave-One-Out) in one file: fine-tune a language model against a reward.
 
-Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization for Learning from Human
-Feedback". For each prompt, sample k completions; each completion's advantage is its reward minus the mean
-reward of the other k-1 completions of the same prompt. No value network, no GAE: one policy, a frozen
-reference and a reward.
+Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization for Learning from Human Feedback". For
+each prompt, sample k completions; each completion's advantage is its reward minus the mean reward of the other k-1
+completions of the same prompt. No value network, no GAE: one policy, a frozen reference and a reward.
 
     # the embedded toy task (a tiny random policy learns to write vowels): offline, a minute on 2 CPU cores
     accelerate launch rloo.py --rloo-k 4
@@ -13,9 +12,8 @@ reference and a reward.
     accelerate launch --config_file ds_zero3.yaml rloo.py --sft-model-path MODEL --reward-model-path RM ...
     accelerate launch --config_file ds_zero3.yaml --num_processes 2 --mixed_precision no rloo.py
 
-How to read it: `Args` (every flag: `python rloo.py --help`); the ALGO LOGIC helpers, each with its
-equation; the toy task; `train`, the loop, steps 1-10 in the algorithm's order. Skip the PLUMBING after it
-on a first read.
+How to read it: `Args` (every flag: `python rloo.py --help`); the ALGO LOGIC helpers, each with its equation; the toy
+task; `train`, the loop, steps 1-10 in the algorithm's order. Skip the PLUMBING after it on a first read.
 """
 
 import contextlib
@@ -34,7 +32,7 @@ import sys
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -58,27 +56,27 @@ class Args:
     """Every flag (`--help`), with TRL's names and defaults: experiment, models and data, rollout, RLOO,
     optimization, LoRA, held-out evaluation, checkpoints."""
 
-    exp_name: str = os.path.basename(__file__)[: -len(".py")]  # the name of this experiment
-    run_name: Optional[str] = None  # a unique name for this run; None: `{exp_name}__{seed}__{unix time}`
+    exp_name: str = os.path.basename(__file__).removesuffix(".py")  # the name of this experiment
+    run_name: str | None = None  # a unique name for this run; None: `{exp_name}__{seed}__{unix time}`
     seed: int = 42  # seed of the run; rank r samples with seed + 100003 r
-    output_dir: Optional[str] = None  # where everything goes; None: `runs/{run_name}`, or the checkpoint's
+    output_dir: str | None = None  # where everything goes; None: `runs/{run_name}`, or the checkpoint's
     report_to: Literal["none", "tensorboard", "wandb"] = "none"  # also log metrics to this tracker
-    sft_model_path: Optional[str] = None  # the policy: a hub id or a local directory; None: the toy policy
-    reward_model_path: Optional[str] = None  # a sequence classifier with one label: a hub id or a directory
-    reward_fn: Optional[list[str]] = None  # `module:function`s, called fn(prompts, completions, **columns)
-    reward_weights: Optional[list[float]] = None  # one per source, the reward model's first; None: 1.0 each
+    sft_model_path: str | None = None  # the policy: a hub id or a local directory; None: the toy policy
+    reward_model_path: str | None = None  # a sequence classifier with one label: a hub id or a directory
+    reward_fn: list[str] | None = None  # `module:function`s, called fn(prompts, completions, **columns)
+    reward_weights: list[float] | None = None  # one per source, the reward model's first; None: 1.0 each
     trust_remote_code: bool = False  # allow models and tokenizers with custom code
-    dataset_name: Optional[str] = None  # prompts: a hub dataset, a directory or a .jsonl file; None: toy
+    dataset_name: str | None = None  # prompts: a hub dataset, a directory or a .jsonl file; None: toy
     dataset_split: str = "train"  # the split of the dataset to train on
     dataset_text_field: str = "prompt"  # the field holding each prompt: text, or a list of chat messages
     max_prompt_length: int = 512  # prompts with more tokens than this are left out
     response_length: int = 53  # the most tokens sampled per completion
-    stop_token: Optional[Literal["eos"]] = None  # `eos`: stop a completion at the eos token (cut after it)
-    stop_token_id: Optional[int] = None  # stop a completion at this token id
+    stop_token: Literal["eos"] | None = None  # `eos`: stop a completion at the eos token (cut after it)
+    stop_token_id: int | None = None  # stop a completion at this token id
     temperature: float = 0.7  # sampling temperature; log-probs are computed from logits divided by it too
     top_k: int = 0  # sample from the k most likely tokens only; 0: all
     top_p: float = 1.0  # sample from the fewest most likely tokens whose probability reaches top_p
-    missing_eos_penalty: Optional[float] = None  # subtracted from the scores of completions not stopped
+    missing_eos_penalty: float | None = None  # subtracted from the scores of completions not stopped
     mask_truncated_completions: bool = False  # completions that never stopped add nothing to the gradient
     local_rollout_forward_batch_size: int = 64  # completions per forward pass in generation and scoring
     rloo_k: int = 2  # completions sampled per prompt (the k of RLOO)
@@ -90,17 +88,17 @@ class Args:
     reward_clip_range: float = 10.0  # with --normalize-reward, clip the normalized scores to [-c, c] (as TRL)
     whiten_rewards: bool = False  # divide the rewards entering the baseline by their standard deviation
     normalize_advantage: bool = False  # z-score the advantages over the global batch
-    total_episodes: Optional[int] = None  # completions to train on; None: num_train_epochs x the prompts
+    total_episodes: int | None = None  # completions to train on; None: num_train_epochs x the prompts
     num_train_epochs: float = 3.0  # sets total_episodes when it is not given (TRL's convention)
     per_device_train_batch_size: int = 8  # completions per micro-batch on each process
     gradient_accumulation_steps: int = 1  # micro-batches accumulated into each optimizer step
     num_mini_batches: int = 1  # optimizer steps per epoch over the rollout batch
     num_ppo_epochs: int = 4  # passes over each rollout batch
-    learning_rate: Optional[float] = None  # AdamW's, decayed linearly to 0; None: 1e-3 for the toy, else 5e-5
+    learning_rate: float | None = None  # AdamW's, decayed linearly to 0; None: 1e-3 for the toy, else 5e-5
     cliprange: float = 0.2  # the PPO clip range epsilon of the probability ratio
-    cliprange_high: Optional[float] = None  # the upper bound's: ratio <= 1 + cliprange_high; None: cliprange
+    cliprange_high: float | None = None  # the upper bound's: ratio <= 1 + cliprange_high; None: cliprange
     max_grad_norm: float = 1.0  # clip the gradient norm to this before each optimizer step; 0: no clipping
-    cpu_threads: Optional[int] = None  # threads per process on CPUs; None: the cores shared by the processes
+    cpu_threads: int | None = None  # threads per process on CPUs; None: the cores shared by the processes
     gradient_checkpointing: bool = False  # recompute activations in the backward pass to save memory
     ds3_gather_for_generation: bool = True  # ZeRO-3: gather the weights once to sample, or sample sharded
     # sample with a vLLM engine in each process (colocated), given the policy's weights before every rollout;
@@ -117,16 +115,16 @@ class Args:
     lora_r: int = 16  # the rank of each adapter
     lora_alpha: int = 32  # the adapters' scale is lora_alpha / lora_r
     lora_dropout: float = 0.05  # kept for TRL's config; unused: rloo.py turns every dropout off
-    lora_target_modules: Optional[list[str]] = None  # modules given adapters; None: every linear but the head
+    lora_target_modules: list[str] | None = None  # modules given adapters; None: every linear but the head
     lora_task_type: str = "CAUSAL_LM"  # peft's task type of the policy
     eval_steps: int = 0  # evaluate every this many updates and after the last; 0: never
-    eval_dataset_name: Optional[str] = None  # held-out prompts, as --dataset-name; None: --dataset-name
+    eval_dataset_name: str | None = None  # held-out prompts, as --dataset-name; None: --dataset-name
     eval_split: str = "test"  # the split of the evaluation dataset (a .jsonl file has none)
-    num_eval_prompts: Optional[int] = None  # evaluate on the first N prompts; None: all
+    num_eval_prompts: int | None = None  # evaluate on the first N prompts; None: all
     eval_temperature: float = 0.0  # 0: greedy decoding; above 0: sampling, from a random stream of its own
     save_steps: int = 500  # write a checkpoint every this many updates (and at the end)
-    save_total_limit: Optional[int] = None  # keep only the newest N checkpoints; None: keep all
-    resume_from_checkpoint: Optional[str] = None  # a checkpoint directory, or `latest` (newest in output_dir)
+    save_total_limit: int | None = None  # keep only the newest N checkpoints; None: keep all
+    resume_from_checkpoint: str | None = None  # a checkpoint directory, or `latest` (newest in output_dir)
     overwrite_output_dir: bool = False  # start over in an output_dir that holds a run, deleting it
     # set by resolve_args, not flags: world_size, local_batch_size, batch_size, local_dataloader_batch_size
     # (B), num_total_batches
@@ -144,9 +142,8 @@ class ArgumentError(SystemExit):
 
 
 def truncate_response(responses, stop_token_id, pad_token_id):
-    """Cut each response after its first stop token (kept) and fill the rest with pad: (responses,
-    response_mask), (N, T). The mask comes from positions, not from comparing ids with the pad id, so that
-    pad == eos works too."""
+    """Cut each response after its first stop token (kept) and fill the rest with pad: (responses, response_mask),
+    (N, T). The mask comes from positions, not from comparing ids with the pad id, so that pad == eos works too."""
     T = responses.shape[1]
     positions = torch.arange(T, device=responses.device)
     # each row's length: up to its first stop token, or T
@@ -158,8 +155,7 @@ def truncate_response(responses, stop_token_id, pad_token_id):
 
 
 def all_reduce(tensor, op=dist.ReduceOp.SUM):
-    """Sum a tensor over every process, or with op=dist.ReduceOp.MAX take its maximum (a no-op on one
-    process)."""
+    """Sum a tensor over every process, or with op=dist.ReduceOp.MAX take its maximum (a no-op on one process)."""
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         tensor = tensor.clone()
         dist.all_reduce(tensor, op=op)
@@ -176,16 +172,13 @@ def global_mean_var(values, mask=None):
     global batch is split across ranks. Two passes (mean, then squared deviations), one all-reduce each."""
     if mask is None:
         mask = torch.ones_like(values, dtype=torch.bool)
-    sums = torch.stack([mask.sum().to(values.dtype), torch.where(mask, values, 0.0).sum()])
-    count, total = all_reduce(sums)
+    count, total = all_reduce(torch.stack([mask.sum().to(values.dtype), torch.where(mask, values, 0.0).sum()]))
     mean = total / count
-    squared = all_reduce(torch.where(mask, (values - mean) ** 2, 0.0).sum())
-    return mean, squared / (count - 1).clamp(min=1)
+    return mean, all_reduce(torch.where(mask, (values - mean) ** 2, 0.0).sum()) / (count - 1).clamp(min=1)
 
 
 def whiten(values, mask=None, shift_mean=True):
-    """(values - mean) / std over the global batch; with shift_mean=False the mean is kept: unit variance
-    only."""
+    """(values - mean) / std over the global batch; with shift_mean=False the mean is kept: unit variance only."""
     mean, var = global_mean_var(values, mask)
     whitened = (values - mean) * torch.rsqrt(var + 1e-8)
     return whitened if shift_mean else whitened + mean
@@ -193,18 +186,16 @@ def whiten(values, mask=None, shift_mean=True):
 
 def rloo_advantages(rewards, rloo_k):
     """Leave-one-out advantages of rewards (k*B,) laid out k-major (row i*B + j is sample i of prompt j):
-    A_i = r_i - (sum_j r_j - r_i) / (k - 1), the sums over the k samples of the same prompt. The baseline
-    leaves the sample itself out, so it does not depend on that sample's action and the gradient estimate
-    stays unbiased."""
+    A_i = r_i - (sum_j r_j - r_i) / (k - 1), the sums over the k samples of the same prompt. The baseline leaves the
+    sample itself out, so it does not depend on that sample's action and the gradient estimate stays unbiased."""
     rewards = rewards.view(rloo_k, -1)  # (k, B)
     baseline = (rewards.sum(0, keepdim=True) - rewards) / (rloo_k - 1)
     return (rewards - baseline).flatten()  # (k*B,)
 
 
 def log_ratio(new_logprobs, old_logprobs, response_mask, sequence_level):
-    """log(pi_new / pi_old): per sequence, sum_t (logp_t - old_logp_t) over real tokens, (N,); or per token,
-    (N, T). Masked positions are zeroed with `where`, so whatever they hold (even inf or NaN) cannot leak
-    in."""
+    """log(pi_new / pi_old): per sequence, sum_t (logp_t - old_logp_t) over real tokens, (N,); or per token, (N, T).
+    Masked positions are zeroed with `where`, so whatever they hold (even inf or NaN) cannot leak in."""
     diff = torch.where(response_mask, new_logprobs - old_logprobs, 0.0)
     return diff.sum(1) if sequence_level else diff
 
@@ -224,9 +215,9 @@ def policy_loss(new_logprobs, old_logprobs, advantages, response_mask, cliprange
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange_high)
     losses = torch.max(unclipped, clipped) * weights
-    is_clipped = (clipped > unclipped).float()
-    clipped_low = ((ratio < 1.0 - cliprange) & (advantages < 0)).float()
-    clipped_high = ((ratio > 1.0 + cliprange_high) & (advantages > 0)).float()
+    is_clipped = clipped > unclipped
+    clipped_low = (ratio < 1.0 - cliprange) & (advantages < 0)
+    clipped_high = (ratio > 1.0 + cliprange_high) & (advantages > 0)
     # sequence mode: every sequence is a term
     if sequence_level:
         response_mask = torch.ones_like(losses, dtype=torch.bool)
@@ -237,8 +228,7 @@ def truncated_importance_weights(logprobs, sampler_logprobs, response_mask, cap,
     """Truncated importance sampling (TIS, Yao et al. 2025): w = min(pi / pi_sampler, cap) of the sampled
     tokens, where pi_sampler is the distribution they were drawn from (a vLLM engine's kernels): per sequence
     (N,), exp(sum_t (logp_t - sampler_logp_t)) over real tokens, or per token (N, T)."""
-    ratio = torch.exp(log_ratio(logprobs, sampler_logprobs, response_mask, sequence_level))
-    return ratio.clamp(max=cap)
+    return torch.exp(log_ratio(logprobs, sampler_logprobs, response_mask, sequence_level)).clamp(max=cap)
 
 
 def token_level_advantages(scores, kl, response_mask, kl_coef, rloo_k, whiten_rewards=False):
@@ -256,9 +246,8 @@ def token_level_advantages(scores, kl, response_mask, kl_coef, rloo_k, whiten_re
         scale = torch.rsqrt(var + 1e-8)
         scores = scores * scale
         non_score = non_score * scale
-    # a reversed cumulative sum: the KL paid from token t to the end
-    kl_to_go = non_score.flip(1).cumsum(1).flip(1)
-    return rloo_advantages(scores, rloo_k)[:, None] + kl_to_go
+    # the KL-to-go, a reversed cumulative sum: the KL paid from token t to the end
+    return rloo_advantages(scores, rloo_k)[:, None] + non_score.flip(1).cumsum(1).flip(1)
 
 
 def logprobs_from_logits(logits, tokens, temperature, with_entropy=False):
@@ -283,7 +272,6 @@ def head_logprobs(hidden, logits_forward, vocab_size, tokens, temperature, with_
     hidden = hidden[:, :T].reshape(N * T, -1)  # (N*T, H)
     tokens = tokens.flatten()
     positions_per_chunk = max(1, 2**26 // vocab_size)
-    one_chunk = N * T <= positions_per_chunk
     # speed, CPU: the log-softmax on pieces, the same numbers; of 128 MB, which the allocator gives back (8 MB pieces
     # made the peak 2.6x at 16 x 512 x 151936 logits)
     positions_per_piece = positions_per_chunk
@@ -295,24 +283,24 @@ def head_logprobs(hidden, logits_forward, vocab_size, tokens, temperature, with_
 
     def chunk_logprobs(hidden_chunk, tokens_chunk):
         logits = logits_forward(hidden_chunk)  # (positions, V)
-        pieces = []
         split = zip(logits.split(positions_per_piece), tokens_chunk.split(positions_per_piece), strict=True)
-        for piece, piece_tokens in split:
-            logprobs_and_entropy = logprobs_from_logits(piece, piece_tokens, temperature, with_entropy)
-            pieces.append(torch.stack(logprobs_and_entropy, -1))
+        pieces = [
+            torch.stack(logprobs_from_logits(piece, piece_tokens, temperature, with_entropy), -1)
+            for piece, piece_tokens in split
+        ]
         return torch.cat(pieces)  # (positions, 2)
 
     # speed: one chunk keeps its logits for the backward, where several would recompute them: one head matmul
     # fewer, and no more memory (the backward holds them either way); the same numbers
-    if one_chunk:
+    if N * T <= positions_per_chunk:
         return chunk_logprobs(hidden, tokens).view(N, T, 2)
-    chunks = []
     split = zip(hidden.split(positions_per_chunk), tokens.split(positions_per_chunk), strict=True)
-    for hidden_chunk, tokens_chunk in split:
-        chunk = torch.utils.checkpoint.checkpoint(
+    chunks = [
+        torch.utils.checkpoint.checkpoint(
             chunk_logprobs, hidden_chunk, tokens_chunk, use_reentrant=False, preserve_rng_state=False
         )
-        chunks.append(chunk)
+        for hidden_chunk, tokens_chunk in split
+    ]
     return torch.cat(chunks).view(N, T, 2)
 
 
@@ -378,8 +366,8 @@ def forward_logprobs(model, queries, query_mask, responses, response_mask, tempe
             **{CACHE: cache},
             use_cache=True,
         )
-        rest = model_logprobs(model, inputs, responses[:, 1:], temperature, with_entropy)  # (N, T - 1, 2)
-        logprobs = torch.cat([logprobs, rest], 1)
+        # the first token's log-probs (N, 1, 2), then the others' (N, T - 1, 2)
+        logprobs = torch.cat([logprobs, model_logprobs(model, inputs, responses[:, 1:], temperature, with_entropy)], 1)
     return torch.nn.functional.pad(logprobs, (0, 0, 0, width - T)).unbind(-1)  # (N, width) each
 
 
@@ -445,7 +433,10 @@ def get_reward(reward_model, input_ids, attention_mask, last_index, token_type_i
     which may be eos). An encoder (BERT, RoBERTa, DeBERTa...) pools its first token in its own forward, with the
     token types of its two segments where it has them."""
     if not hasattr(reward_model, "score"):
-        inputs = dict(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
+        inputs = dict(input_ids=input_ids, attention_mask=attention_mask)
+        # where its tokenizer gives them (BERT's does; DistilBERT's, whose forward takes none, does not)
+        if token_type_ids is not None:
+            inputs["token_type_ids"] = token_type_ids
         return reward_model(**inputs).logits[:, 0].float()
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
     backbone = getattr(reward_model, reward_model.base_model_prefix)
@@ -508,16 +499,11 @@ def generate(model, queries, query_mask, length, sample, stop_token_id, pad_toke
         if step > 0:
             # the token just sampled, at the next position, attending to the cache of everything before it
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(queries), 1)], 1)
-            inputs = dict(
-                input_ids=tokens[-1][:, None],
-                attention_mask=attention_mask,
-                position_ids=prompt_end + step,
-            )
+            inputs = dict(input_ids=tokens[-1][:, None], attention_mask=attention_mask, position_ids=prompt_end + step)
             logits = model(**inputs, **{CACHE: cache}, use_cache=True).logits[:, -1].float()  # (N, V)
-        sampled = sample(logits)
-        tokens.append(torch.where(done, pad_token_id, sampled))
+        tokens.append(torch.where(done, pad_token_id, sample(logits)))
         if stop_token_id is not None:
-            done = done | (tokens[-1] == stop_token_id)
+            done |= tokens[-1] == stop_token_id
             # one host sync per token, as in HF generate
             running = all_reduce((~done).sum()) if synced else (~done).sum()
             if running.item() == 0:
@@ -556,11 +542,10 @@ def rollout(run, queries, query_mask, temperature, generator=None, k=1):
 
 @torch.no_grad()
 def vllm_generate(run, queries, query_mask, temperature, generator, k):
-    """Step 1 on the vLLM engine: it gets the policy's weights in place (sync_vllm_weights), then each
-    prompt's token ids, unpadded, with n = k and a seed drawn from `generator` (None: the global one, which a
-    resumed run restores, so that it samples what an uninterrupted run did). Returns the completions
-    (N, <= response_length), k-major, pad after each, and the engine's log-probs of the sampled tokens under
-    its tempered distribution."""
+    """Step 1 on the vLLM engine: it gets the policy's weights in place (sync_vllm_weights), then each prompt's token
+    ids, unpadded, with n = k and a seed drawn from `generator` (None: the global one, which a resumed run restores, so
+    that it samples what an uninterrupted run did). Returns the completions (N, <= response_length), k-major, pad after
+    each, and the engine's log-probs of the sampled tokens under its tempered distribution."""
     from vllm import SamplingParams
 
     args = run.args
@@ -569,9 +554,9 @@ def vllm_generate(run, queries, query_mask, temperature, generator, k):
         run.llm.wake_up()
     sync_vllm_weights(run)
     # the first B rows are the B prompts, left-padded
-    prompts = []
-    for ids, mask in zip(queries[:B], query_mask[:B], strict=True):
-        prompts.append({"prompt_token_ids": ids[mask.bool()].tolist()})
+    prompts = [
+        {"prompt_token_ids": ids[mask.bool()].tolist()} for ids, mask in zip(queries[:B], query_mask[:B], strict=True)
+    ]
     # the engine seeds a prompt's k samples seed, seed + 1, ..., seed + k - 1
     seeds = k * torch.randint(2**31 // k, (B,), generator=generator, device=queries.device)
     stop_token_ids = [] if args.stop_token_id is None else [args.stop_token_id]
@@ -598,9 +583,8 @@ def vllm_generate(run, queries, query_mask, temperature, generator, k):
     if args.vllm_enable_sleep_mode:
         run.llm.sleep(level=1)
     completions = [output.outputs[i] for i in range(k) for output in outputs]  # k-major
-    pad = run.tokenizer.pad_token_id
     responses = [torch.tensor(completion.token_ids) for completion in completions]
-    responses = pad_sequence(responses, batch_first=True, padding_value=pad)
+    responses = pad_sequence(responses, batch_first=True, padding_value=run.tokenizer.pad_token_id)
     sampled_logprobs = [torch.tensor(completion.logprobs.logprobs) for completion in completions]
     sampled_logprobs = pad_sequence(sampled_logprobs, batch_first=True)
     return responses.to(queries.device), sampled_logprobs.to(queries.device)
@@ -642,8 +626,7 @@ def score_completions(run, rows, queries, query_mask, responses, response_mask, 
             # re-encoded: left-padded for a decoder, so that the last token is last; an encoder (no `score` head)
             # reads prompt and completion as two segments
             encoder = not hasattr(model, "score")
-            prompts = [row[args.dataset_text_field] for row in rows]
-            texts = zip(prompts, completions, stopped.tolist(), strict=True)
+            texts = zip([row[args.dataset_text_field] for row in rows], completions, stopped.tolist(), strict=True)
             encoded = [render_for_reward(source.tokenizer, p, c, stop, encoder) for p, c, stop in texts]
             pad = source.tokenizer.pad_token_id
             input_ids, attention_mask = pad_batch([e["input_ids"] for e in encoded], pad, not encoder, device)
@@ -653,9 +636,10 @@ def score_completions(run, rows, queries, query_mask, responses, response_mask, 
             # nothing is truncated: a text beyond the reward model's positions would index past them
             positions = getattr(model.config, "max_position_embeddings", math.inf)
             if input_ids.shape[1] > positions:
-                fix = "lower --response-length or --max-prompt-length"
-                length = f"a prompt + completion of {input_ids.shape[1]} of its tokens"
-                raise ArgumentError(f"{source.flag}: {length} is beyond its {positions} positions; {fix}")
+                raise ArgumentError(
+                    f"{source.flag}: a prompt + completion of {input_ids.shape[1]} of its tokens is beyond its "
+                    f"{positions} positions; lower --response-length or --max-prompt-length"
+                )
         values = []
         size = args.local_rollout_forward_batch_size
         with run.accelerator.autocast():
@@ -710,8 +694,7 @@ def pad_batch(sequences, pad_token_id, left=True, device=None):
     tensors = [torch.tensor(s, dtype=torch.long, device=device) for s in sequences]
     side = "left" if left else "right"
     input_ids = pad_sequence(tensors, batch_first=True, padding_value=pad_token_id or 0, padding_side=side)
-    ones = [torch.ones_like(tensor) for tensor in tensors]
-    return input_ids, pad_sequence(ones, batch_first=True, padding_side=side)
+    return input_ids, pad_sequence([torch.ones_like(tensor) for tensor in tensors], batch_first=True, padding_side=side)
 
 
 # ==================================================================================================
@@ -783,7 +766,6 @@ def train(run):
     args = run.args
     accelerator = run.accelerator
     policy = run.policy
-    tokenizer = run.tokenizer
     device = accelerator.device
     k = args.rloo_k
     B = args.local_dataloader_batch_size
@@ -797,6 +779,10 @@ def train(run):
     # detached, are the "old" ones: one forward fewer, the same update as two forwards
     # (test_one_forward_fewer_is_the_same_update_as_two_micro_batches)
     one_pass = micro == args.local_batch_size and args.num_ppo_epochs == 1
+    # step 9's forward: log-probs and entropies of the policy, with gradients
+    policy_logprobs = functools.partial(
+        forward_logprobs, policy, temperature=args.temperature, with_entropy=True, k=rows_per_prompt
+    )
     for update in range(run.start_update, args.num_total_batches):
         # the learning rate decays linearly to 0 over the run
         lr = args.learning_rate * (1.0 - update / args.num_total_batches)
@@ -806,7 +792,7 @@ def train(run):
         # ---- data: this rank's B prompts, repeated k times, k-major (row i*B + j is sample i of prompt j)
         batch = batch_indices(args, len(run.prompts), update, accelerator.process_index)  # (B,)
         prompt_ids = [run.prompts[i] for i in batch] * k
-        queries, query_mask = pad_batch(prompt_ids, tokenizer.pad_token_id, device=device)  # (k*B, P)
+        queries, query_mask = pad_batch(prompt_ids, run.tokenizer.pad_token_id, device=device)  # (k*B, P)
         dataset_rows = [run.rows[i] for i in batch] * k  # every column, for the reward functions
         t0 = now(device)
 
@@ -836,16 +822,7 @@ def train(run):
         )
         if one_pass:
             # step 9's forward, its graph kept for the backward
-            new_logprobs, entropy = forward_logprobs(
-                policy,
-                queries,
-                query_mask,
-                responses,
-                response_mask,
-                args.temperature,
-                with_entropy=True,
-                k=rows_per_prompt,
-            )
+            new_logprobs, entropy = policy_logprobs(queries, query_mask, responses, response_mask)
             old_logprobs = new_logprobs.detach()  # (k*B, T)
         else:
             with torch.no_grad():
@@ -876,7 +853,7 @@ def train(run):
 
         # ---- 6. normalize (optional, over the global batch), and clip the normalized scores to [-c, c]; raw
         # scores are not clipped (as in TRL 0.21: a reward's own scale is not cut at an arbitrary c)
-        clipped = torch.zeros((), device=device)  # for objective/scores_clipped_frac
+        clipped = 0  # for objective/scores_clipped_frac
         if args.normalize_reward:
             scores = whiten(scores)
             clipped = (scores.abs() > args.reward_clip_range).sum()
@@ -933,8 +910,7 @@ def train(run):
                 # the real tokens of each mini-batch, over every rank: token mode averages the loss over all
                 # of them, so a token weighs the same in a short micro-batch as in a long one (transformers'
                 # Trainer fixed the same bias in gradient accumulation with num_items_in_batch)
-                mini_batch_tokens = lengths[torch.cat(batches)].view(args.num_mini_batches, -1).sum(1)
-                mini_batch_tokens = all_reduce(mini_batch_tokens)
+                mini_batch_tokens = all_reduce(lengths[torch.cat(batches)].view(args.num_mini_batches, -1).sum(1))
             # a mini-batch is gradient_accumulation_steps consecutive micro-batches
             for index, micro_batch in enumerate(batches):
                 mb_old_logprobs = old_logprobs[micro_batch]
@@ -942,21 +918,13 @@ def train(run):
                 with accelerator.accumulate(policy):
                     # one pass: new_logprobs and entropy are step 3's forward, its graph still held
                     if not one_pass:
-                        new_logprobs, entropy = forward_logprobs(
-                            policy,
-                            queries[micro_batch],
-                            query_mask[micro_batch],
-                            responses[micro_batch],
-                            mb_response_mask,
-                            args.temperature,
-                            with_entropy=True,
-                            k=rows_per_prompt,
+                        new_logprobs, entropy = policy_logprobs(
+                            queries[micro_batch], query_mask[micro_batch], responses[micro_batch], mb_response_mask
                         )
-                    mb_advantages = advantages[micro_batch]
                     loss, clipfrac, clipfrac_low, clipfrac_high = policy_loss(
                         new_logprobs,
                         mb_old_logprobs,
-                        mb_advantages,
+                        advantages[micro_batch],
                         mb_response_mask,
                         args.cliprange,
                         cliprange_high=args.cliprange_high,
@@ -965,8 +933,7 @@ def train(run):
                     # backward averages over the micro-batches and ranks: each gets its share of the tokens
                     loss_weight = 1.0
                     if args.token_level_kl:
-                        mini_batch_index = index // args.gradient_accumulation_steps
-                        share = mb_response_mask.sum() / mini_batch_tokens[mini_batch_index]
+                        share = mb_response_mask.sum() / mini_batch_tokens[index // args.gradient_accumulation_steps]
                         loss_weight = share * args.gradient_accumulation_steps * args.world_size
                     accelerator.backward(loss * loss_weight)
                     # at a mini-batch's last micro-batch: clip, and step unless the gradient is not finite
@@ -984,22 +951,22 @@ def train(run):
                 )
         t3 = now(device)
 
-        # ---- 10. metrics (TRL's names), over real response tokens only, summed over every rank in one
-        # all-reduce
+        # ---- 10. metrics (TRL's names), over real response tokens only, summed over every rank in one all-reduce
         grouped = raw_scores.view(k, -1)  # (k, B)
-        stats["kl"] = sequence_kl.sum()
-        # summed by their metrics' names: objective/*, completions/* and rewards/* are averaged over completions
-        stats["objective/entropy"] = (-old_logprobs[response_mask]).sum()
-        stats["objective/scores"] = raw_scores.sum()
-        stats["objective/rlhf_reward"] = rewards.sum()
-        stats["objective/scores_clipped_frac"] = clipped
-        stats["completions/mean_length"] = response_mask.sum()
-        stats["completions/clipped_ratio"] = (~stopped).sum()  # completions that ran out of room
-        stats["terminated_tokens"] = response_mask[stopped].sum()
-        stats["eos"] = ((responses == tokenizer.eos_token_id) & response_mask).sum()
-        stats["zero_std"] = (grouped == grouped[0]).all(0).sum()  # prompts whose k scores are all equal
-        for name, values in source_rewards.items():
-            stats[f"rewards/{name}"] = values.sum()  # before weighting
+        stats |= {
+            "kl": sequence_kl.sum(),
+            # summed by their metrics' names: objective/*, completions/* and rewards/* are averaged over completions
+            "objective/entropy": (-old_logprobs[response_mask]).sum(),
+            "objective/scores": raw_scores.sum(),
+            "objective/rlhf_reward": rewards.sum(),
+            "objective/scores_clipped_frac": clipped,
+            "completions/mean_length": response_mask.sum(),
+            "completions/clipped_ratio": (~stopped).sum(),  # completions that ran out of room
+            "terminated_tokens": response_mask[stopped].sum(),
+            "eos": ((responses == run.tokenizer.eos_token_id) & response_mask).sum(),
+            "zero_std": (grouped == grouped[0]).all(0).sum(),  # prompts whose k scores are all equal
+            **{f"rewards/{name}": values.sum() for name, values in source_rewards.items()},  # before weighting
+        }
         if args.use_vllm:
             # how far the engine's log-probs of the sampled tokens are from the policy's
             vllm_diff = torch.where(response_mask, (old_logprobs - vllm_logprobs).abs(), 0.0)  # (k*B, T)
@@ -1104,8 +1071,7 @@ def setup(args):
     if accelerator.device.type == "cpu":
         torch.set_num_threads(args.cpu_threads)
     longest_prompt = max(map(len, prompts + eval_prompts))
-    float32_heads = accelerator.mixed_precision != "no"
-    policy, ref_policy, reward_model = load_models(args, tokenizer, longest_prompt, float32_heads)
+    policy, ref_policy, reward_model = load_models(args, tokenizer, longest_prompt, accelerator.mixed_precision != "no")
     trainable = [p for p in policy.parameters() if p.requires_grad]  # with LoRA, the adapters only
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, eps=1e-8, weight_decay=0.0, fused=True)
     policy, optimizer = accelerator.prepare(policy, optimizer)
@@ -1121,8 +1087,7 @@ def setup(args):
     # before the random generators are seeded or restored: the engine seeds them as it starts
     llm = None
     if args.use_vllm:
-        max_model_len = longest_prompt + args.response_length
-        llm = start_vllm(args, accelerator, accelerator.unwrap_model(policy), max_model_len)
+        llm = start_vllm(args, accelerator, accelerator.unwrap_model(policy), longest_prompt + args.response_length)
     run = Run(
         args,
         accelerator,
@@ -1149,8 +1114,10 @@ def setup(args):
     trained = f"{sum(n for n, grad in sizes if grad):,} of {sum(n for n, _ in sizes):,} parameters trained"
     threads = f", {torch.get_num_threads()} CPU threads each" if accelerator.device.type == "cpu" else ""
     if accelerator.is_main_process:
-        print(f"{args.run_name}: {args.num_total_batches} updates of {args.batch_size} completions ", end="")
-        print(f"({args.world_size} processes{threads}; {trained}) -> {args.output_dir}")
+        print(
+            f"{args.run_name}: {args.num_total_batches} updates of {args.batch_size} completions "
+            f"({args.world_size} processes{threads}; {trained}) -> {args.output_dir}"
+        )
     run.start_time = run.previous_end = now(accelerator.device)
     return run
 
@@ -1176,8 +1143,7 @@ ABOVE_0 = """temperature cliprange cliprange_high reward_clip_range num_train_ep
 vllm_gpu_memory_utilization vllm_importance_sampling_cap""".split()
 
 
-# what sets the prompts, their order, the batch and the run's length: a resume must keep these flags (others
-# may change)
+# what sets the prompts, their order, the batch and the run's length: a resume must keep these flags (others may change)
 RESUME_FIXED = """rloo_k per_device_train_batch_size gradient_accumulation_steps num_mini_batches
 total_episodes seed response_length sft_model_path dataset_name dataset_split dataset_text_field
 max_prompt_length token_level_kl use_peft lora_r lora_alpha lora_target_modules lora_task_type"""
@@ -1189,13 +1155,11 @@ def resolve_args(args, world_size, tokenizer, num_prompts, saved=None):
     for name, lowest in AT_LEAST.items():
         value = getattr(args, name)
         if value is not None and not lowest <= value < math.inf:
-            flag = f"--{name.replace('_', '-')}"
-            raise ArgumentError(f"{flag} must be a finite number at least {lowest} (got {value})")
+            raise ArgumentError(f"--{name.replace('_', '-')} must be a finite number at least {lowest} (got {value})")
     for name in ABOVE_0:
         value = getattr(args, name)
         if value is not None and not 0 < value < math.inf:
-            flag = f"--{name.replace('_', '-')}"
-            raise ArgumentError(f"{flag} must be a finite number above 0 (got {value})")
+            raise ArgumentError(f"--{name.replace('_', '-')} must be a finite number above 0 (got {value})")
     # the reward model, then each reward function; none: the toy reward
     sources = int(args.reward_model_path is not None) + len(args.reward_fn or []) or 1
     if args.reward_weights is not None and len(args.reward_weights) != sources:
@@ -1243,8 +1207,7 @@ def resolve_args(args, world_size, tokenizer, num_prompts, saved=None):
     if args.cpu_threads is None:
         args.cpu_threads = max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     args.world_size = world_size
-    micro_batches = args.gradient_accumulation_steps * args.num_mini_batches
-    args.local_batch_size = args.per_device_train_batch_size * micro_batches
+    args.local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
     args.batch_size = args.local_batch_size * world_size
     args.local_dataloader_batch_size = args.local_batch_size // args.rloo_k
     args.num_total_batches = math.ceil(args.total_episodes / args.batch_size)
@@ -1319,9 +1282,7 @@ def load_prompts(args, tokenizer, path, split, flag, limit=None):
         import datasets
 
         try:  # a hub dataset, or a directory written by save_to_disk
-            markers = ("dataset_info.json", "dataset_dict.json")
-            on_disk = any(os.path.exists(os.path.join(path, name)) for name in markers)
-            if on_disk:
+            if any(os.path.exists(os.path.join(path, name)) for name in ("dataset_info.json", "dataset_dict.json")):
                 dataset = datasets.load_from_disk(path)
             else:
                 dataset = datasets.load_dataset(path, split=split)
@@ -1336,8 +1297,7 @@ def load_prompts(args, tokenizer, path, split, flag, limit=None):
         where = f"{flag} {path}, {place}"
         prompt = row.get(field_name) if isinstance(row, dict) else None
         if not isinstance(prompt, (str, list)):
-            column = f"field {field_name!r} (--dataset-text-field)"
-            raise ArgumentError(f"{where}: no text or chat messages in {column}")
+            raise ArgumentError(f"{where}: no text or chat messages in field {field_name!r} (--dataset-text-field)")
         if isinstance(prompt, list) and getattr(tokenizer, "chat_template", None) is None:
             raise ArgumentError(f"{where}: chat messages, but the tokenizer has no chat template")
         # the chat template may refuse messages (jinja's TemplateError, or its own raise_exception())
@@ -1352,8 +1312,7 @@ def load_prompts(args, tokenizer, path, split, flag, limit=None):
             prompts.append(list(ids))
             kept.append(row)
     if not prompts:
-        longest = f"--max-prompt-length {args.max_prompt_length} tokens"
-        raise ArgumentError(f"{flag} {path}: no prompt within {longest}")
+        raise ArgumentError(f"{flag} {path}: no prompt within --max-prompt-length {args.max_prompt_length} tokens")
     left_out = len(entries) - len(kept)
     if left_out and os.environ.get("RANK", "0") == "0":
         print(f"rloo.py: {flag}: {left_out} of {len(entries)} prompts left out (over --max-prompt-length)")
@@ -1368,8 +1327,7 @@ def load_models(args, tokenizer, longest_prompt, float32_heads):
     def load_policy():
         if not args.sft_model_path:  # the toy's, from the seed
             return toy_policy(tokenizer, args.seed)
-        flag = "--sft-model-path"
-        return load_pretrained(AutoModelForCausalLM, args.sft_model_path, flag, args, dtype=torch.float32)
+        return load_pretrained(AutoModelForCausalLM, args.sft_model_path, "--sft-model-path", args, dtype=torch.float32)
 
     policy = load_policy()
     # the reference is loaded a second time rather than copied (LoRA: none, the policy with its adapters off;
@@ -1380,9 +1338,14 @@ def load_models(args, tokenizer, longest_prompt, float32_heads):
     if args.use_peft:
         from peft import LoraConfig, get_peft_model
 
-        sizes = dict(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout)
         targets = args.lora_target_modules or "all-linear"
-        lora_config = LoraConfig(**sizes, target_modules=targets, task_type=args.lora_task_type)
+        lora_config = LoraConfig(
+            r=args.lora_r,
+            lora_alpha=args.lora_alpha,
+            lora_dropout=args.lora_dropout,
+            target_modules=targets,
+            task_type=args.lora_task_type,
+        )
         # the adapters' initial weights: the same on every rank and in every run
         torch.manual_seed(args.seed)
         # B starts at 0: before the first step the policy computes exactly what its base does
@@ -1391,22 +1354,20 @@ def load_models(args, tokenizer, longest_prompt, float32_heads):
         except ValueError as error:
             raise ArgumentError(f"--lora-target-modules {targets}: {error!r:.160}") from None
         # peft stops only when no name matches: each one must, or its adapters would be silently missing
-        matched = policy.targeted_module_names
         for target in args.lora_target_modules or []:
-            if not any(name == target or name.endswith("." + target) for name in matched):
-                linears = {name.split(".")[-1] for name, m in policy.named_modules() if type(m) is torch.nn.Linear}
-                fix = f"the policy's linear layers are {', '.join(sorted(linears))}"
-                raise ArgumentError(f"--lora-target-modules: {target} matches no module; {fix}")
+            if not any(f".{name}".endswith(f".{target}") for name in policy.targeted_module_names):
+                raise ArgumentError(
+                    f"--lora-target-modules: {target} matches no module of the policy; name one that does"
+                )
     # the longest prompt and a whole completion must fit the positions of each model that reads them
     contexts = [(policy.config, "policy")]
     reward_model = None
     reward = None
     if args.reward_model_path:
-        path = args.reward_model_path
-        load = functools.partial(load_pretrained, path=path, flag="--reward-model-path", args=args)
+        load = functools.partial(load_pretrained, path=args.reward_model_path, flag="--reward-model-path", args=args)
         reward_model = load(AutoModelForSequenceClassification, dtype=torch.float32)
         reward_tokenizer = load(AutoTokenizer)
-        flag = f"--reward-model-path {path}"
+        flag = f"--reward-model-path {args.reward_model_path}"
         labels = reward_model.config.num_labels
         if labels != 1:
             raise ArgumentError(f"{flag}: the reward model has {labels} labels; it needs exactly 1")
@@ -1438,10 +1399,8 @@ def load_models(args, tokenizer, longest_prompt, float32_heads):
                 if isinstance(linear, torch.nn.Linear):
                     float32_head(linear)
     if args.gradient_checkpointing:
-        # activation_checkpointing_enable from transformers 5.23; gradient_checkpointing_enable before
-        # (deprecated then)
-        enable = getattr(policy, "activation_checkpointing_enable", None)
-        enable = enable or policy.gradient_checkpointing_enable
+        # activation_checkpointing_enable from transformers 5.23; gradient_checkpointing_enable before (deprecated then)
+        enable = getattr(policy, "activation_checkpointing_enable", None) or policy.gradient_checkpointing_enable
         enable({"use_reentrant": False})
         # the frozen embeddings' output must carry gradients through
         if args.use_peft:
@@ -1461,7 +1420,6 @@ def start_vllm(args, accelerator, policy, max_model_len):
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     import vllm
 
-    dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(accelerator.mixed_precision, "float32")
     classes = {type(module): type(module).__call__ for module in policy.modules()}
     # several processes: each its own engine in the trainer's process group, as TRL's colocate mode
     backend = None
@@ -1470,7 +1428,7 @@ def start_vllm(args, accelerator, policy, max_model_len):
     try:
         llm = vllm.LLM(
             model=args.sft_model_path,
-            dtype=dtype,
+            dtype={"bf16": "bfloat16", "fp16": "float16"}.get(accelerator.mixed_precision, "float32"),
             max_model_len=max_model_len,
             gpu_memory_utilization=args.vllm_gpu_memory_utilization,
             enable_sleep_mode=args.vllm_enable_sleep_mode,
@@ -1482,8 +1440,7 @@ def start_vllm(args, accelerator, policy, max_model_len):
             use_tqdm_on_load=False,  # a log holds lines
         )
         # one token, since some refusals (a head size its attention lacks) come at the first forward
-        one_token = vllm.SamplingParams(max_tokens=1, logprobs=0)
-        llm.generate([{"prompt_token_ids": [0]}], one_token, use_tqdm=False)
+        llm.generate([{"prompt_token_ids": [0]}], vllm.SamplingParams(max_tokens=1, logprobs=0), use_tqdm=False)
     # vLLM's own reason, whatever raised it: an architecture or head size it cannot run, memory
     except Exception as error:
         raise ArgumentError(f"--use-vllm: the engine cannot run the model ({error!r:.200})") from None
@@ -1492,8 +1449,7 @@ def start_vllm(args, accelerator, policy, max_model_len):
     patched = [cls.__name__ for cls, call in classes.items() if cls.__call__ is not call]
     if patched:
         fix = "give a model whose architecture vLLM implements (Llama, Qwen2, ...)"
-        how = f"by patching its classes ({', '.join(patched)})"
-        raise ArgumentError(f"--use-vllm: vLLM runs this model {how}; {fix}")
+        raise ArgumentError(f"--use-vllm: vLLM runs this model by patching its classes ({', '.join(patched)}); {fix}")
     return llm
 
 
@@ -1504,32 +1460,35 @@ def make_accelerator(args):
         # `accelerate launch --multi_gpu` on a machine without CUDA: unless told it is on CPUs, accelerate
         # sees no distributed setup, never wraps the policy in DDP, and each rank would train its own copy
         os.environ["ACCELERATE_USE_CPU"] = "true"
-    options = dict(log_with=None if args.report_to == "none" else args.report_to, project_dir=args.output_dir)
-    options["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")] if cpu_group else []
-    # Apple's GPU (mps), which accelerate would pick: rloo.py has never run there (no float64, other kernels)
-    options["cpu"] = torch.backends.mps.is_available() and not torch.cuda.is_available()
-    if options["cpu"] and os.environ.get("RANK", "0") == "0":
-        print("rloo.py: on the CPU: Apple's GPU (mps) is not supported", file=sys.stderr)
-    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps, **options)
+    accelerator = Accelerator(
+        log_with=None if args.report_to == "none" else args.report_to,
+        project_dir=args.output_dir,
+        kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if cpu_group else [],
+        # not Apple's GPU (mps), which accelerate would pick: rloo.py has never run there (no float64, other
+        # kernels); the header line then says "CPU threads"
+        cpu=torch.backends.mps.is_available(),
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+    )
     kind = accelerator.distributed_type
     processes = accelerator.num_processes
     if processes != args.world_size or (cpu_group and kind == "NO"):
         fix = "launch with --multi_gpu (and ACCELERATE_USE_CPU=true without CUDA) or a DeepSpeed config"
-        launched = f"{args.world_size} processes were launched"
-        raise ArgumentError(f"{launched}, but accelerate set up {processes}: {fix}")
+        raise ArgumentError(f"{args.world_size} processes were launched, but accelerate set up {processes}: {fix}")
     if kind != "DEEPSPEED":
         return accelerator, False
     micro = args.per_device_train_batch_size
     steps = args.gradient_accumulation_steps
     ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
-    ds_config["train_micro_batch_size_per_gpu"] = micro
-    ds_config["gradient_accumulation_steps"] = steps
-    ds_config["train_batch_size"] = micro * steps * processes
-    ds_config["gradient_clipping"] = args.max_grad_norm
+    ds_config |= {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": steps,
+        "train_batch_size": micro * steps * processes,
+        "gradient_clipping": args.max_grad_norm,
+        # not bf16: micro-batches' gradients add up in float32
+        "data_types": {"grad_accum_dtype": "fp32"},
+    }
     # a full state dict to save
     ds_config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
-    # not bf16: micro-batches' gradients add up in float32
-    ds_config["data_types"] = {"grad_accum_dtype": "fp32"}
     return accelerator, ds_config["zero_optimization"]["stage"] == 3
 
 
@@ -1561,8 +1520,7 @@ def prepare_output_dir(args, saved):
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         lock.seek(0)
-        pid = lock.read().strip()
-        raise ArgumentError(f"--output-dir {out}: another run (pid {pid}) is writing it") from None
+        raise ArgumentError(f"--output-dir {out}: another run (pid {lock.read().strip()}) is writing it") from None
     except OSError as error:
         raise ArgumentError(f"--output-dir {out}: cannot write there ({error})") from None
     lock.truncate(0)
@@ -1584,7 +1542,8 @@ def prepare_output_dir(args, saved):
     if saved is None:  # a new run (with --overwrite-output-dir where there was one)
         for path in checkpoints:
             shutil.rmtree(path)
-    for path in [os.path.join(out, name) for name in ("metrics.jsonl", "eval_completions.jsonl")]:
+    for name in ("metrics.jsonl", "eval_completions.jsonl"):
+        path = os.path.join(out, name)
         # keep the records of the updates the checkpoint holds (a cut last line: none); a new run keeps none
         if os.path.exists(path):
             with open(path) as f:
@@ -1607,8 +1566,7 @@ def read_checkpoint(args):
     if path == "latest":
         found = checkpoint_dirs(args.output_dir) if args.output_dir else []
         if not found:
-            where = f"--output-dir {args.output_dir}"
-            raise ArgumentError(f"--resume-from-checkpoint latest: no checkpoint in {where}")
+            raise ArgumentError(f"--resume-from-checkpoint latest: no checkpoint in --output-dir {args.output_dir}")
         path = found[-1]
     if path is None:
         return None
@@ -1647,9 +1605,8 @@ def batch_indices(args, num_prompts, update, rank):
     batches_per_pass = num_prompts // (B * args.world_size)
     # one order per (seed, pass)
     generator = torch.Generator().manual_seed(args.seed * 100003 + update // batches_per_pass)
-    order = torch.randperm(num_prompts, generator=generator)
     start = ((update % batches_per_pass) * args.world_size + rank) * B
-    return order[start : start + B].tolist()
+    return torch.randperm(num_prompts, generator=generator)[start : start + B].tolist()
 
 
 @contextlib.contextmanager
@@ -1767,8 +1724,7 @@ def optimizer_step(run):
     if not accelerator.sync_gradients:
         return
     if accelerator.distributed_type == "DEEPSPEED":
-        # DeepSpeed's verdict: on a non-finite global norm it zeroed the gradients and left weights and
-        # optimizer alone
+        # DeepSpeed's verdict: on a non-finite global norm it zeroed the gradients and left weights and optimizer alone
         norm = run.policy.get_global_grad_norm()
         run.skipped_steps += int(norm is not None and not math.isfinite(norm))
         return
@@ -1811,7 +1767,6 @@ def log_metrics(run, update, stats, lr, times, samples):
     totals = dict(zip(stats, all_reduce(values).tolist(), strict=True))
     n = args.batch_size
     terms = max(totals["terms"], 1.0)
-    tokens = max(totals["tokens"], 1.0)
     generated = totals["completions/mean_length"]  # its sum: the tokens generated, over every rank
     cut_off = totals["completions/clipped_ratio"]  # its sum: the completions without the stop token
     elapsed = time.perf_counter() - run.start_time
@@ -1831,7 +1786,7 @@ def log_metrics(run, update, stats, lr, times, samples):
         "objective/non_score_reward": -args.kl_coef * totals["kl"] / n,
         **{name: totals[name] / terms for name in PER_TERM},
         # of the full distribution, per real token
-        "policy/entropy_avg": totals["entropy"] / tokens,
+        "policy/entropy_avg": totals["entropy"] / max(totals["tokens"], 1.0),
         "val/ratio": mean_ratio,
         "val/ratio_var": max(totals["ratio_sq"] / terms - mean_ratio**2, 0.0),
         "val/num_eos_tokens": totals["eos"],
@@ -1849,7 +1804,8 @@ def log_metrics(run, update, stats, lr, times, samples):
     if args.use_vllm:
         metrics["vllm/logprob_diff_mean"] = totals["vllm_diff"] / max(generated, 1.0)
         metrics["vllm/logprob_diff_max"] = all_reduce(stats["vllm_diff_max"], op=dist.ReduceOp.MAX).item()
-    run.phase_totals = {phase: run.phase_totals[phase] + seconds for phase, seconds in phases.items()}
+    for phase, seconds in phases.items():
+        run.phase_totals[phase] += seconds
     run.history.append(metrics["objective/scores"])
     accelerator.log(metrics, step=metrics["episode"])
     if accelerator.is_main_process:
@@ -1902,30 +1858,28 @@ def evaluate(run, update):
     per_rank = math.ceil(total / args.world_size)
     mine = list(range(rank * per_rank, min((rank + 1) * per_rank, total)))
     indices = (mine + [0] * per_rank)[:per_rank]  # padded with prompt 0
-    prompts = [run.eval_prompts[i] for i in indices]
-    queries, query_mask = pad_batch(prompts, tokenizer.pad_token_id, device=device)
+    queries, query_mask = pad_batch([run.eval_prompts[i] for i in indices], tokenizer.pad_token_id, device=device)
     generator = torch.Generator(device).manual_seed(args.seed + 100003 * rank + update)
     responses, response_mask, _ = rollout(run, queries, query_mask, args.eval_temperature, generator=generator)
     rows = [run.eval_rows[i] for i in indices]
     stopped = ((responses == args.stop_token_id) & response_mask).any(1)
     scores, rewards = score_completions(run, rows, queries, query_mask, responses, response_mask, stopped)
-    lengths = response_mask.sum(1).float()
-    eos = ((responses == tokenizer.eos_token_id) & response_mask).sum(1).float()
-    per_completion = {"eval/scores": scores, "eval/completion_length": lengths, "eval/num_eos_tokens": eos}
+    per_completion = {
+        "eval/scores": scores,
+        "eval/completion_length": response_mask.sum(1).float(),
+        "eval/num_eos_tokens": ((responses == tokenizer.eos_token_id) & response_mask).sum(1).float(),
+    }
     per_completion |= {f"eval/rewards/{name}": values for name, values in rewards.items()}
     real = torch.arange(per_rank, device=device) < len(mine)  # (per_rank,) not padding
     sums = torch.stack([torch.where(real, values, 0.0).sum() for values in per_completion.values()])
     totals = all_reduce(sums).tolist()
-    metrics = {"update": update}
-    for name, value in zip(per_completion, totals, strict=True):
-        metrics[name] = value / total
+    metrics = {"update": update} | {name: value / total for name, value in zip(per_completion, totals, strict=True)}
     metrics["eval/num_eos_tokens"] *= total  # a count over the evaluation, like val/num_eos_tokens
     completions = tokenizer.batch_decode(responses, skip_special_tokens=True)
     records = [
         dict(update=update, prompt=row[args.dataset_text_field], completion=text, score=score)
         for row, text, score in zip(rows, completions, scores.tolist(), strict=True)
-    ]
-    records = records[: len(mine)]  # this rank's prompts, without the padding
+    ][: len(mine)]  # this rank's prompts, without the padding
     if args.world_size > 1:
         records = gather_object(records)
     if accelerator.is_main_process:
@@ -1941,10 +1895,8 @@ def end_of_update(run, update, stopping):
     if args.eval_steps and (done % args.eval_steps == 0 or done == args.num_total_batches):
         evaluate(run, done)
     if run.consecutive_skips >= 3:  # no checkpoint: the weights themselves may have diverged
-        fix = "check the reward; or lower --learning-rate, raise --temperature,"
-        fix += " and resume from an earlier checkpoint"
-        updates = f"updates {done - 2}-{done}"
-        raise SystemExit(f"rloo.py: error: {updates} had scores or log-probs not finite: {fix}")
+        fix = "check the reward; or lower --learning-rate, raise --temperature, and resume from an earlier checkpoint"
+        raise SystemExit(f"rloo.py: error: updates {done - 2}-{done} had scores or log-probs not finite: {fix}")
     if done % args.save_steps == 0 or done == args.num_total_batches or stopping:
         save_checkpoint(run, done)
     if not stopping:
@@ -1952,9 +1904,8 @@ def end_of_update(run, update, stopping):
     # another rank's signal: stop alike
     number = (run.stop_signals or [signal.SIGTERM])[0]
     if run.accelerator.is_main_process:
-        stopped = f"rloo.py: stopped by {signal.Signals(number).name} after update {done}"
         resume = f"resume with --output-dir {args.output_dir} --resume-from-checkpoint latest"
-        print(f"{stopped}; {resume}", file=sys.stderr)
+        print(f"rloo.py: stopped by {signal.Signals(number).name} after update {done}; {resume}", file=sys.stderr)
     sys.exit(128 + number)  # 130 for SIGINT, 143 for SIGTERM
 
 
@@ -2026,11 +1977,12 @@ def save_final_model(run):
     updates = args.num_total_batches - run.start_update
     phase_seconds = sum(run.phase_totals.values())
     shares = ", ".join(f"{p} {100 * run.phase_totals[p] / max(phase_seconds, 1e-9):.0f}%" for p in PHASES)
-    speed = f"{updates * args.batch_size / session:.1f} episodes/s, {phase_seconds / updates:.3f} s/update"
     tenth = max(1, len(run.history) // 10)
-    score = f"{sum(run.history[:tenth]) / tenth:.3f} (first tenth) -> {sum(run.history[-tenth:]) / tenth:.3f}"
-    memory = f"peak memory {peak_memory_mib(accelerator.device):.0f} MiB"
-    print(f"done in {session:.0f}s: {speed} ({shares}), {memory}; mean score {score} (last tenth)")
+    print(
+        f"done in {session:.0f}s: {updates * args.batch_size / session:.1f} episodes/s, {phase_seconds / updates:.3f} "
+        f"s/update ({shares}), peak memory {peak_memory_mib(accelerator.device):.0f} MiB; mean score "
+        f"{sum(run.history[:tenth]) / tenth:.3f} (first tenth) -> {sum(run.history[-tenth:]) / tenth:.3f} (last tenth)"
+    )
 
 
 def now(device):
