@@ -394,9 +394,8 @@ def micro_batches(lengths, micro, mini_batch):
     """One epoch's micro-batches (row indices, in row order): a random order cut into mini-batches, each sorted by
     completion length (N,) and cut into micro-batches, so that similar lengths pad little. A mini-batch's gradient
     does not depend on the grouping: the mean of equal micro-batches' means, or each token weighing 1 / its tokens."""
-    order = torch.randperm(len(lengths), device=lengths.device)
     batches = []
-    for rows in order.split(mini_batch):
+    for rows in torch.randperm(len(lengths), device=lengths.device).split(mini_batch):
         by_length = rows[lengths[rows].argsort(stable=True)]
         batches += [micro_rows.sort().values for micro_rows in by_length.split(micro)]
     return batches
@@ -433,11 +432,8 @@ def get_reward(reward_model, input_ids, attention_mask, last_index, token_type_i
     which may be eos). An encoder (BERT, RoBERTa, DeBERTa...) pools its first token in its own forward, with the
     token types of its two segments where it has them."""
     if not hasattr(reward_model, "score"):
-        inputs = dict(input_ids=input_ids, attention_mask=attention_mask)
-        # where its tokenizer gives them (BERT's does; DistilBERT's, whose forward takes none, does not)
-        if token_type_ids is not None:
-            inputs["token_type_ids"] = token_type_ids
-        return reward_model(**inputs).logits[:, 0].float()
+        logits = reward_model(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids).logits
+        return logits[:, 0].float()
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
     backbone = getattr(reward_model, reward_model.base_model_prefix)
     hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
@@ -628,13 +624,15 @@ def score_completions(run, rows, queries, query_mask, responses, response_mask, 
             encoder = not hasattr(model, "score")
             texts = zip([row[args.dataset_text_field] for row in rows], completions, stopped.tolist(), strict=True)
             encoded = [render_for_reward(source.tokenizer, p, c, stop, encoder) for p, c, stop in texts]
-            pad = source.tokenizer.pad_token_id
-            input_ids, attention_mask = pad_batch([e["input_ids"] for e in encoded], pad, not encoder, device)
+            input_ids, attention_mask = pad_batch(
+                [e["input_ids"] for e in encoded], source.tokenizer.pad_token_id, not encoder, device
+            )
             if "token_type_ids" in encoded[0]:  # the segments of a pair: 0, then 1
                 token_type_ids = pad_batch([e["token_type_ids"] for e in encoded], 0, False, device)[0]
             last_index = torch.full((len(input_ids),), input_ids.shape[1] - 1, device=device)
-            # nothing is truncated: a text beyond the reward model's positions would index past them
-            positions = getattr(model.config, "max_position_embeddings", math.inf)
+            # nothing is truncated: a text beyond the reward model's positions would index past them (its
+            # tokenizer's limit is below its table where positions start after the pad's: RoBERTa's 512 of 514)
+            positions = min(source.tokenizer.model_max_length, model.config.max_position_embeddings)
             if input_ids.shape[1] > positions:
                 raise ArgumentError(
                     f"{source.flag}: a prompt + completion of {input_ids.shape[1]} of its tokens is beyond its "
@@ -672,14 +670,17 @@ def call_reward_fn(source, rows, completions, text_field):
 def render_for_reward(tokenizer, prompt, completion, stopped, encoder=False):
     """prompt + completion as a reward model's own tokenizer writes them, {"input_ids": ...}: its special tokens
     (a BOS); a chat prompt through its chat template with the completion as the assistant's turn, closed only if
-    the completion stopped; an encoder's two segments, [CLS] prompt [SEP] completion [SEP], with their
-    "token_type_ids", as cross-encoders are trained; else its eos after a completion that stopped, since reward
-    models trained on TRL-style data are read at that eos."""
-    if isinstance(prompt, list):
+    the completion stopped (else the text after the template's generation prompt); an encoder's two segments,
+    [CLS] prompt [SEP] completion [SEP], with their "token_type_ids", as cross-encoders are trained; else its eos
+    after a completion that stopped, since reward models trained on TRL-style data are read at that eos."""
+    if isinstance(prompt, list) and stopped:
         messages = prompt + [{"role": "assistant", "content": completion}]
-        ids = tokenizer.apply_chat_template(messages, continue_final_message=not stopped, return_dict=False)
-        return {"input_ids": ids}
-    if encoder:
+        return {"input_ids": tokenizer.apply_chat_template(messages, return_dict=False)}
+    if isinstance(prompt, list):
+        text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False) + completion
+        return {"input_ids": tokenizer(text, add_special_tokens=False)["input_ids"]}
+    # a tokenizer that writes no special tokens around a pair would lose its [CLS]: one segment then
+    if encoder and tokenizer.num_special_tokens_to_add(pair=True):
         return dict(tokenizer(prompt, completion))
     ids = tokenizer(prompt + completion)["input_ids"]
     eos = tokenizer.eos_token_id
@@ -1812,8 +1813,7 @@ def log_metrics(run, update, stats, lr, times, samples):
         append_lines(args, "metrics.jsonl", [metrics])
         if done % max(1, args.num_total_batches // 20) == 0 or update == run.start_update:
             # the updates left times this session's seconds per update so far
-            eta = (args.num_total_batches - done) * elapsed / (done - run.start_update)
-            minutes, seconds = divmod(round(eta), 60)
+            minutes, seconds = divmod(round((args.num_total_batches - done) * elapsed / (done - run.start_update)), 60)
             progress = f"update {done}/{args.num_total_batches}  eta {minutes}m{seconds:02d}s"
             shown = f"score {metrics['objective/scores']:.3f}"
             if args.kl_coef > 0:
@@ -1833,15 +1833,13 @@ def print_samples(tokenizer, samples):
     baselines = (rewards.sum() - rewards) / (len(rewards) - 1)
     # (k, 4): each completion's score, reward, baseline and advantage
     table = torch.stack([samples["scores"], rewards, baselines, samples["advantages"]], dim=1).tolist()
-    prompt = tokenizer.decode(samples["prompt"], skip_special_tokens=True)
     completions = tokenizer.batch_decode(samples["completions"], skip_special_tokens=True)
     # repr escapes control bytes (a newline, a terminal's escape sequences)
-    print(f"prompt: {repr(prompt)[1:-1][:110]}")
+    print(f"prompt: {repr(tokenizer.decode(samples['prompt'], skip_special_tokens=True))[1:-1][:110]}")
     print(f"baseline: the mean reward of the other {len(rewards) - 1}; advantage: reward - baseline, as trained")
     print(f"{'completion':<60} | score   | reward  | baseline | advantage")
     for completion, (score, reward, baseline, advantage) in zip(completions, table, strict=True):
-        numbers = f"{score:7.3f} | {reward:7.3f} | {baseline:8.3f} | {advantage:9.3f}"
-        print(f"{repr(completion)[1:-1][:60]:<60} | {numbers}")
+        print(f"{repr(completion)[1:-1][:60]:<60} | {score:7.3f} | {reward:7.3f} | {baseline:8.3f} | {advantage:9.3f}")
 
 
 @torch.no_grad()

@@ -729,12 +729,26 @@ def test_render_for_reward_uses_the_reward_tokenizers_conventions():
     prompt, completion = word("Say") + word("hi") + word(":"), word("hello")
     assert encoded["input_ids"] == [bert.cls_token_id, *prompt, bert.sep_token_id, *completion, bert.sep_token_id]
     assert encoded["token_type_ids"] == [0] * 8 + [1] * 6
+    # a tokenizer that writes no special tokens around a pair: one segment, which keeps its [CLS] and [SEP]
+    from tokenizers import processors
+
+    special = [("[CLS]", bert.cls_token_id), ("[SEP]", bert.sep_token_id)]
+    bert.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", special_tokens=special
+    )
+    encoded = rloo.render_for_reward(bert, "Say hi:", " hello", stopped=True, encoder=True)
+    assert encoded == {"input_ids": [bert.cls_token_id, *prompt, *completion, bert.sep_token_id]}
     # chat prompts: its own template, with the completion as the assistant's turn, closed only if it stopped
-    chat = char_tokenizer(chat_template="{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}")
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    chat = char_tokenizer(chat_template=template + "{% if add_generation_prompt %}[assistant] {% endif %}")
     messages = [{"role": "user", "content": "hi"}]
     expected = chat("[user] hi\n[assistant] yo\n", add_special_tokens=False)["input_ids"]
     assert rloo.render_for_reward(chat, messages, "yo", stopped=True) == {"input_ids": expected}
     assert rloo.render_for_reward(chat, messages, "yo", stopped=False) == {"input_ids": expected[:-1]}  # no "\n"
+    # a template that rewrites the assistant's text (a reasoning model's drops its thinking) leaves it open too
+    thinking = char_tokenizer(chat_template=chat.chat_template.replace("m['content']", "m['content'].split('/')[-1]"))
+    expected = thinking("[user] hi\n[assistant] a/b", add_special_tokens=False)["input_ids"]
+    assert rloo.render_for_reward(thinking, messages, "a/b", stopped=False) == {"input_ids": expected}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1588,8 +1602,10 @@ def test_one_forward_fewer_is_the_same_update_as_two_micro_batches(workdir, tmp_
     start, one, two = (load_weights(path) for path in (workdir / "policy", tmp_path / "one", tmp_path / "two"))
     steps = {name: (one[name] - start[name]).abs() for name in start}
     assert max(step.max() for step in steps.values()) > 0.5e-3  # Adam's first step: up to the learning rate, 1e-3
-    for name, step in steps.items():  # a gradient that is 0 but for rounding (the key bias) steps by noise: left out
-        assert ((one[name] - two[name]).abs()[step > 1e-4] < 1e-5).all(), name
+    # Adam's first step is lr g / (|g| + 1e-8): where |g| is near 1e-8 (the key bias: 0 but for rounding; a sum that
+    # nearly cancels) it turns the rounding of g into steps of 1e-5; compared where |g| > 9e-8, a step above 0.9 lr
+    for name, step in steps.items():
+        assert ((one[name] - two[name]).abs()[step > 0.9e-3] < 1e-5).all(), name
 
 
 @slow
@@ -1923,7 +1939,7 @@ if os.environ.get("RLOO_TEST_COUNT") and "RANK" in os.environ:  # the ranks, not
                  "_reduce_scatter_base", "all_to_all_single", "barrier"]:
         if hasattr(dist, name):
             setattr(dist, name, counted(getattr(dist, name)))
-    searchsorted = torch.searchsorted  # rloo.py samples each token with it
+    searchsorted = torch.searchsorted  # rloo.py samples each token with it (twice)
 
     def sample(*args, **kwargs):
         events.append(["sample", count[0]])
@@ -2023,6 +2039,7 @@ def test_gathered_generation_makes_no_collective_while_sampling(workdir, scale_r
     assert steps[0] != steps[1]  # the ranks sampled different numbers of tokens, and never waited for each other
     # the control: on the sharded model, every sampled token follows collectives (gathers, the synced stop check)
     sharded = [count for kind, count in read_events(workdir, "zero3_sharded", 0) if kind == "sample"]
+    sharded = sharded[::2]  # sample_tokens searches twice a token: a block, then a token in it
     assert all(b > a for a, b in zip(sharded, sharded[1:], strict=False))
     stderr = scale_runs[1]["zero3"].stderr  # with --gradient-checkpointing and PYTHONWARNINGS=default
     assert "gradient_checkpointing_enable" not in stderr and not re.search(r"rloo\.py:\d+: \w*Warning", stderr)
@@ -2495,8 +2512,8 @@ def all_finite(metrics):
 @gpu
 @cuda
 def test_cuda_sampling_never_draws_a_zero_probability_token_and_matches_multinomial():
-    """rloo.sample_tokens (a uniform number searched in the softmax's cumulative sum): (64, 151936) logits at
-    temperature 0.3, a third of them -inf (the first and last ids too), 16 copies of each row x 1024 draws =
+    """rloo.sample_tokens (uniform numbers searched in float64 cumulative sums, of blocks then of tokens): (64, 151936)
+    logits at temperature 0.3, a third of them -inf (the first and last ids too), 16 copies of each row x 1024 draws =
     16,384 draws a row, 1,048,576 in all; torch.multinomial draws as many."""
     rows, V, copies, steps, temperature, device = 64, 151936, 16, 1024, 0.3, "cuda"
     g = torch.Generator(device).manual_seed(0)
