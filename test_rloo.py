@@ -1132,7 +1132,7 @@ def test_top_k_and_top_p_keep_the_most_likely_tokens():
     # top_k 1 samples what greedy decoding picks
     random_logits = torch.randn(64, 99, generator=generator)
     assert torch.equal(rloo.sample_tokens(random_logits, 0.7, generator, top_k=1), random_logits.argmax(-1))
-    # the defaults filter nothing: they draw exactly what top-k of the whole vocabulary draws
+    # the defaults filter nothing: they draw exactly what top-k of the whole vocabulary draws (which masks none)
     expected = rloo.sample_tokens(random_logits, 0.7, torch.Generator().manual_seed(15), top_k=99)
     assert torch.equal(rloo.sample_tokens(random_logits, 0.7, torch.Generator().manual_seed(15)), expected)
 
