@@ -263,185 +263,6 @@ def logprobs_from_logits(logits, tokens, temperature, with_entropy=False):
     return logprobs, entropy
 
 
-def head_logprobs(hidden, logits_forward, vocab_size, tokens, temperature, with_entropy):
-    """logprobs_from_logits of the head's logits (logits_forward) from the hidden states (N, >= T, H) before
-    `tokens` (N, T), a chunk of positions (2**26 logits, 256 MB in float32) at a time whatever the length: no
-    (N, T, V) tensor. With several chunks each runs under torch.utils.checkpoint: with gradients its logits are
-    recomputed in the backward, not kept. Returns (N, T, 2): log-probs, entropies (0 without with_entropy)."""
-    N, T = tokens.shape
-    hidden = hidden[:, :T].reshape(N * T, -1)  # (N*T, H)
-    tokens = tokens.flatten()
-    positions_per_chunk = max(1, 2**26 // vocab_size)
-    # speed, CPU: the log-softmax on pieces, the same numbers; of 128 MB, which the allocator gives back (8 MB pieces
-    # made the peak 2.6x at 16 x 512 x 151936 logits)
-    positions_per_piece = positions_per_chunk
-    if hidden.device.type == "cpu":
-        positions_per_piece = max(1, 2**25 // vocab_size)
-        # up to 4 chunks, of 8 MB, which the caches hold (the Medium and SmolLM2 shapes train 15-20% faster)
-        if N * T <= 4 * positions_per_chunk:
-            positions_per_piece = max(1, 2**21 // vocab_size)
-
-    def chunk_logprobs(hidden_chunk, tokens_chunk):
-        logits = logits_forward(hidden_chunk)  # (positions, V)
-        split = zip(logits.split(positions_per_piece), tokens_chunk.split(positions_per_piece), strict=True)
-        pieces = [
-            torch.stack(logprobs_from_logits(piece, piece_tokens, temperature, with_entropy), -1)
-            for piece, piece_tokens in split
-        ]
-        return torch.cat(pieces)  # (positions, 2)
-
-    # speed: one chunk keeps its logits for the backward, where several would recompute them: one head matmul
-    # fewer, and no more memory (the backward holds them either way); the same numbers
-    if N * T <= positions_per_chunk:
-        return chunk_logprobs(hidden, tokens).view(N, T, 2)
-    split = zip(hidden.split(positions_per_chunk), tokens.split(positions_per_chunk), strict=True)
-    chunks = [
-        torch.utils.checkpoint.checkpoint(
-            chunk_logprobs, hidden_chunk, tokens_chunk, use_reentrant=False, preserve_rng_state=False
-        )
-        for hidden_chunk, tokens_chunk in split
-    ]
-    return torch.cat(chunks).view(N, T, 2)
-
-
-def model_logprobs(model, inputs, tokens, temperature, with_entropy):
-    """model(**inputs) with its unembedding giving head_logprobs of `tokens`, (N, T, 2), in place of logits
-    (N, T, V). The head still runs as a module, so under ZeRO-3 its own hooks gather its weight (once for all
-    chunks) in the forward and again in the backward."""
-    head = extract_model_from_parallel(model).get_output_embeddings()
-    logits_forward = head.forward  # float32_head's, or the module's own (with LoRA: base + adapter)
-    returned = []  # what the head gave
-
-    def forward(hidden):
-        returned.append(head_logprobs(hidden, logits_forward, head.out_features, tokens, temperature, with_entropy))
-        return returned[-1]
-
-    head.forward = forward
-    try:
-        logprobs = model(**inputs).logits  # (N, T, 2)
-    finally:
-        head.forward = logits_forward
-    # a model that changes its head's output (Gemma's softcapping, Cohere's and Granite's logit scales) would
-    # change these log-probs: refused, rather than trained on wrong numbers
-    if logprobs.data_ptr() != returned[-1].data_ptr():
-        change = "the model changes its logits after its head (a softcap, a scale)"
-        raise ArgumentError(f"--sft-model-path: {change}; rloo.py reads log-probs at the head")
-    return logprobs
-
-
-def forward_logprobs(model, queries, query_mask, responses, response_mask, temperature, with_entropy=False, k=1):
-    """Log-probs (N, T) of the responses under `model`, and with with_entropy each position's entropy (else
-    0). Only the positions that predict them reach the head, which gives log-probs, not logits
-    (model_logprobs). With k > 1 each prompt runs once (prompt_forward) and its k completions attend to
-    its keys and values: the same numbers as one forward per row."""
-    width = responses.shape[1]
-    # speed: the rows' own longest completion, not the rollout's; the padding columns after it get 0
-    T = int(response_mask.sum(1).max())
-    responses = responses[:, :T]
-    P = queries.shape[1]
-    mask = torch.cat([query_mask, response_mask[:, :T].long()], 1)
-    # left padding: positions count real tokens, as in generation
-    position_ids = (mask.cumsum(1) - 1).clamp(min=0)
-    if k == 1:
-        # one forward over prompt + completion; position p predicts the token at p + 1
-        inputs = dict(
-            input_ids=torch.cat([queries, responses], 1),
-            attention_mask=mask,
-            position_ids=position_ids,
-            logits_to_keep=T + 1,
-            use_cache=False,
-        )
-        logprobs = model_logprobs(model, inputs, responses, temperature, with_entropy)  # (N, T, 2)
-    else:
-        # the prompt's last position predicts the first token: (N, 1, V) logits
-        first_logits, cache = prompt_forward(model, queries, query_mask, position_ids[:, :P], k)
-        first = logprobs_from_logits(first_logits, responses[:, :1], temperature, with_entropy)
-        logprobs = torch.stack(first, -1)  # (N, 1, 2)
-    if k > 1 and T > 1:
-        # each completion but its last token, attending to the cache of its prompt
-        inputs = dict(
-            input_ids=responses[:, :-1],
-            attention_mask=mask[:, :-1],
-            position_ids=position_ids[:, P:-1],
-            **{CACHE: cache},
-            use_cache=True,
-        )
-        # the first token's log-probs (N, 1, 2), then the others' (N, T - 1, 2)
-        logprobs = torch.cat([logprobs, model_logprobs(model, inputs, responses[:, 1:], temperature, with_entropy)], 1)
-    return torch.nn.functional.pad(logprobs, (0, 0, 0, width - T)).unbind(-1)  # (N, width) each
-
-
-def prompt_forward(model, queries, query_mask, position_ids, k):
-    """Each of the N/k prompts once, for rows that are k copies of them (k-major): the logits of every row's
-    last position (N, 1, V), and a KV cache holding the prompts' keys and values, copied k times."""
-    B = len(queries) // k
-    inputs = dict(input_ids=queries[:B], attention_mask=query_mask[:B], position_ids=position_ids[:B])
-    output = model(**inputs, use_cache=True, logits_to_keep=1)
-    # the cache of prompt j for rows j, B + j, 2B + j, ... (k = 1: unchanged)
-    cache = getattr(output, CACHE)
-    cache.reorder_cache(torch.arange(B, device=queries.device).repeat(k))
-    return output.logits.repeat(k, 1, 1), cache
-
-
-def prompt_chunks(n, k, size):
-    """Row indices of n rows (k copies of n/k prompts, k-major) in chunks of about `size`: whole prompts, each
-    chunk k-major too."""
-    rows = torch.arange(n).view(k, -1)  # (k, B): row i*B + j is sample i of prompt j
-    return [chunk.flatten() for chunk in rows.split(max(1, size // k), dim=1)]
-
-
-def micro_batches(lengths, micro, mini_batch):
-    """One epoch's micro-batches (row indices, in row order): a random order cut into mini-batches, each sorted by
-    completion length (N,) and cut into micro-batches, so that similar lengths pad little. A mini-batch's gradient
-    does not depend on the grouping: the mean of equal micro-batches' means, or each token weighing 1 / its tokens."""
-    batches = []
-    for rows in torch.randperm(len(lengths), device=lengths.device).split(mini_batch):
-        by_length = rows[lengths[rows].argsort(stable=True)]
-        batches += [micro_rows.sort().values for micro_rows in by_length.split(micro)]
-    return batches
-
-
-def batched_logprobs(model, queries, query_mask, responses, response_mask, temperature, batches, k=1):
-    """forward_logprobs over `batches`, lists of row indices (with k > 1: whole prompts with their k copies,
-    k-major): (N, T)."""
-    logprobs = torch.empty(responses.shape, device=responses.device)
-    for rows in batches:
-        chunk_logprobs, _ = forward_logprobs(
-            model, queries[rows], query_mask[rows], responses[rows], response_mask[rows], temperature, k=k
-        )
-        logprobs[rows] = chunk_logprobs
-    return logprobs
-
-
-def float32_head(linear):
-    """Make a head (the unembedding, a reward model's `score`) compute in float32 from its bf16 inputs and
-    weights: under bf16 autocast or DeepSpeed's bf16 it would round its outputs to bf16 (steps of 0.06 near a
-    logit of 10) before any of the float32 math of log-probs, ratios and rewards."""
-
-    def forward(hidden):
-        bias = None if linear.bias is None else linear.bias.float()
-        with torch.autocast(hidden.device.type, enabled=False):
-            return torch.nn.functional.linear(hidden.float(), linear.weight.float(), bias)
-
-    linear.forward = forward
-
-
-def get_reward(reward_model, input_ids, attention_mask, last_index, token_type_ids=None):
-    """The reward model's value (N,) for each sequence. A decoder classifier (a `score` head) is read at
-    last_index: its backbone's hidden state there, through the head (its own pooling looks for the pad id,
-    which may be eos). An encoder (BERT, RoBERTa, DeBERTa...) pools its first token in its own forward, with the
-    token types of its two segments where it has them."""
-    if not hasattr(reward_model, "score"):
-        logits = reward_model(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids).logits
-        return logits[:, 0].float()
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    backbone = getattr(reward_model, reward_model.base_model_prefix)
-    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
-    rows = torch.arange(len(input_ids), device=input_ids.device)
-    last_hidden = hidden.last_hidden_state[rows, last_index.to(rows.device)]
-    return reward_model.score(last_hidden).squeeze(-1).float()
-
-
 def sample_tokens(logits, temperature, generator=None, top_k=0, top_p=1.0):
     """One token per row of logits (N, V), drawn from softmax(logits / temperature): the same distribution as
     torch.multinomial(softmax(logits / temperature), 1), though not the same draws for a seed. Temperature 0
@@ -477,225 +298,6 @@ def inverse_cdf(weights, generator=None):
     cdf = weights.cumsum(-1)
     uniform = torch.rand(len(cdf), 1, dtype=cdf.dtype, device=cdf.device, generator=generator) * cdf[:, -1:]
     return torch.searchsorted(cdf, uniform, right=True).squeeze(1).clamp(max=cdf.shape[1] - 1)
-
-
-@torch.no_grad()
-def generate(model, queries, query_mask, length, sample, stop_token_id, pad_token_id, synced, k=1):
-    """Sample up to `length` tokens per row with a KV cache; `sample` picks each row's token from its logits
-    (sample_tokens). Rows that produced the stop token get pad afterwards; sampling ends once every row has
-    stopped (on every rank when `synced`: a ZeRO-3 sharded model needs all ranks in each forward)."""
-    position_ids = (query_mask.cumsum(1) - 1).clamp(min=0)
-    prompt_end = position_ids[:, -1:]  # (N, 1)
-    logits, cache = prompt_forward(model, queries, query_mask, position_ids, k)
-    logits = logits[:, -1].float()  # (N, V)
-    attention_mask = query_mask
-    done = torch.zeros(len(queries), dtype=torch.bool, device=queries.device)
-    tokens = []
-    for step in range(length):
-        if step > 0:
-            # the token just sampled, at the next position, attending to the cache of everything before it
-            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(queries), 1)], 1)
-            inputs = dict(input_ids=tokens[-1][:, None], attention_mask=attention_mask, position_ids=prompt_end + step)
-            logits = model(**inputs, **{CACHE: cache}, use_cache=True).logits[:, -1].float()  # (N, V)
-        tokens.append(torch.where(done, pad_token_id, sample(logits)))
-        if stop_token_id is not None:
-            done |= tokens[-1] == stop_token_id
-            # one host sync per token, as in HF generate
-            running = all_reduce((~done).sum()) if synced else (~done).sum()
-            if running.item() == 0:
-                break
-    return torch.stack(tokens, 1)  # (N, t <= length)
-
-
-def rollout(run, queries, query_mask, temperature, generator=None, k=1):
-    """Steps 1-2: sample a completion (N, T) for every query row (k copies of each prompt, k-major), cut after
-    its stop token, and its mask; about local_rollout_forward_batch_size rows per call. With --use-vllm the
-    engine samples (vllm_generate), and its log-probs of the sampled tokens come third (N, T); else None."""
-    args = run.args
-    pad = run.tokenizer.pad_token_id
-    stop = args.stop_token_id
-    vllm_logprobs = None
-    if run.llm is not None:
-        responses, vllm_logprobs = vllm_generate(run, queries, query_mask, temperature, generator, k)
-    else:
-        responses = torch.full((len(queries), args.response_length), pad, device=queries.device)
-        sample = functools.partial(
-            sample_tokens, temperature=temperature, generator=generator, top_k=args.top_k, top_p=args.top_p
-        )
-        # speed: one autocast around the rollout keeps each weight's bf16 copy in its cache (each forward's own
-        # would cast every weight at every token); on the CPU, weights packed once per rollout (float32 or bf16)
-        autocast = run.accelerator.autocast()
-        dtype = {"no": torch.float32, "bf16": torch.bfloat16}.get(run.accelerator.mixed_precision)
-        with generation_context(run) as (model, synced), autocast, packed_linears(model, dtype, not synced):
-            for rows in prompt_chunks(len(queries), k, args.local_rollout_forward_batch_size):
-                tokens = generate(
-                    model, queries[rows], query_mask[rows], args.response_length, sample, stop, pad, synced, k
-                )
-                responses[rows, : tokens.shape[1]] = tokens
-    responses, response_mask = truncate_response(responses, stop, pad)
-    return responses, response_mask, vllm_logprobs
-
-
-@torch.no_grad()
-def vllm_generate(run, queries, query_mask, temperature, generator, k):
-    """Step 1 on the vLLM engine: it gets the policy's weights in place (sync_vllm_weights), then each prompt's token
-    ids, unpadded, with n = k and a seed drawn from `generator` (None: the global one, which a resumed run restores, so
-    that it samples what an uninterrupted run did). Returns the completions (N, <= response_length), k-major, pad after
-    each, and the engine's log-probs of the sampled tokens under its tempered distribution."""
-    from vllm import SamplingParams
-
-    args = run.args
-    B = len(queries) // k
-    if args.vllm_enable_sleep_mode:
-        run.llm.wake_up()
-    sync_vllm_weights(run)
-    # the first B rows are the B prompts, left-padded
-    prompts = [
-        {"prompt_token_ids": ids[mask.bool()].tolist()} for ids, mask in zip(queries[:B], query_mask[:B], strict=True)
-    ]
-    # the engine seeds a prompt's k samples seed, seed + 1, ..., seed + k - 1
-    seeds = k * torch.randint(2**31 // k, (B,), generator=generator, device=queries.device)
-    stop_token_ids = [] if args.stop_token_id is None else [args.stop_token_id]
-    params = [
-        SamplingParams(
-            n=k,
-            seed=seed,
-            temperature=temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            max_tokens=args.response_length,
-            # the stop token only, not the model's own eos unless it is that
-            stop_token_ids=stop_token_ids,
-            ignore_eos=True,
-            # the sampled token's log-prob, in a flat list
-            logprobs=0,
-            flat_logprobs=True,
-            detokenize=False,
-        )
-        for seed in seeds.tolist()
-    ]
-    outputs = run.llm.generate(prompts, params, use_tqdm=False)
-    # the KV cache and the weights are freed for the update: the next rollout gives the weights again
-    if args.vllm_enable_sleep_mode:
-        run.llm.sleep(level=1)
-    completions = [output.outputs[i] for i in range(k) for output in outputs]  # k-major
-    responses = [torch.tensor(completion.token_ids) for completion in completions]
-    responses = pad_sequence(responses, batch_first=True, padding_value=run.tokenizer.pad_token_id)
-    sampled_logprobs = [torch.tensor(completion.logprobs.logprobs) for completion in completions]
-    sampled_logprobs = pad_sequence(sampled_logprobs, batch_first=True)
-    return responses.to(queries.device), sampled_logprobs.to(queries.device)
-
-
-@dataclass
-class RewardSource:
-    """One term of the score: a reward function, or a reward model (with its own tokenizer: it re-encodes)."""
-
-    name: str  # for the metric rewards/<name>
-    flag: str  # for error messages: `--reward-fn module:function` or `--reward-model-path PATH`
-    weight: float = 1.0
-    fn: Any = None
-    model: Any = None
-    tokenizer: Any = None  # None: the reward model reads the policy's token ids (same vocabulary, a decoder)
-
-
-@torch.no_grad()
-def score_completions(run, rows, queries, query_mask, responses, response_mask, stopped):
-    """Steps 4-5: score = sum_s weight_s * reward_s for each completion, minus missing_eos_penalty for the
-    completions that never produced the stop token; and each source's rewards by name. A reward model reads
-    the policy's token ids when it shares their vocabulary, else prompt + completion rendered by its own
-    tokenizer (render_for_reward). `stopped` (N,): the completions that produced the stop token."""
-    args = run.args
-    device = responses.device
-    completions = run.tokenizer.batch_decode(responses, skip_special_tokens=True)
-    rewards = {}
-    for source in run.reward_sources:
-        if source.fn is not None:
-            values = call_reward_fn(source, rows, completions, args.dataset_text_field)
-            rewards[source.name] = torch.tensor(values, dtype=torch.float, device=device)
-            continue
-        model = run.accelerator.unwrap_model(source.model)
-        input_ids = torch.cat([queries, responses], 1)
-        attention_mask = torch.cat([query_mask, response_mask.long()], 1)
-        last_index = queries.shape[1] + response_mask.sum(1) - 1  # the last real token
-        token_type_ids = None
-        if source.tokenizer is not None:
-            # re-encoded: left-padded for a decoder, so that the last token is last; an encoder (no `score` head)
-            # reads prompt and completion as two segments
-            encoder = not hasattr(model, "score")
-            texts = zip([row[args.dataset_text_field] for row in rows], completions, stopped.tolist(), strict=True)
-            encoded = [render_for_reward(source.tokenizer, p, c, stop, encoder) for p, c, stop in texts]
-            input_ids, attention_mask = pad_batch(
-                [e["input_ids"] for e in encoded], source.tokenizer.pad_token_id, not encoder, device
-            )
-            if "token_type_ids" in encoded[0]:  # the segments of a pair: 0, then 1
-                token_type_ids = pad_batch([e["token_type_ids"] for e in encoded], 0, False, device)[0]
-            last_index = torch.full((len(input_ids),), input_ids.shape[1] - 1, device=device)
-            # nothing is truncated: a text beyond the reward model's positions would index past them (its
-            # tokenizer's limit is below its table where positions start after the pad's: RoBERTa's 512 of 514)
-            positions = min(source.tokenizer.model_max_length, model.config.max_position_embeddings)
-            if input_ids.shape[1] > positions:
-                raise ArgumentError(
-                    f"{source.flag}: a prompt + completion of {input_ids.shape[1]} of its tokens is beyond its "
-                    f"{positions} positions; lower --response-length or --max-prompt-length"
-                )
-        values = []
-        size = args.local_rollout_forward_batch_size
-        with run.accelerator.autocast():
-            for start in range(0, len(input_ids), size):
-                chunk = slice(start, start + size)
-                types = None if token_type_ids is None else token_type_ids[chunk]
-                values.append(get_reward(model, input_ids[chunk], attention_mask[chunk], last_index[chunk], types))
-        rewards[source.name] = torch.cat(values)
-    scores = sum(source.weight * rewards[source.name] for source in run.reward_sources)
-    if args.missing_eos_penalty is not None:  # resolve_args made sure a stop token is set
-        scores = scores - args.missing_eos_penalty * (~stopped).float()
-    return scores, rewards
-
-
-def call_reward_fn(source, rows, completions, text_field):
-    """fn(prompts, completions, **columns): the prompts as the dataset holds them (text, or chat messages),
-    and as keyword lists aligned with the completions the dataset's other columns that fn names (all of them,
-    to a **kwargs)."""
-    parameters = inspect.signature(source.fn).parameters.values()
-    takes_all = any(p.kind == p.VAR_KEYWORD for p in parameters)
-    named = {p.name for p in parameters}
-    names = [name for name in rows[0] if name != text_field and (takes_all or name in named)]
-    columns = {name: [row.get(name) for row in rows] for name in names}
-    scores = source.fn([row[text_field] for row in rows], completions, **columns)
-    if not hasattr(scores, "__len__") or len(scores) != len(completions):
-        raise ValueError(f"{source.flag} must return {len(completions)} numbers, one per completion")
-    return [float(score) for score in scores]  # float's own error for a value that is not a number
-
-
-def render_for_reward(tokenizer, prompt, completion, stopped, encoder=False):
-    """prompt + completion as a reward model's own tokenizer writes them, {"input_ids": ...}: its special tokens
-    (a BOS); a chat prompt through its chat template with the completion as the assistant's turn, closed only if
-    the completion stopped (else the text after the template's generation prompt); an encoder's two segments,
-    [CLS] prompt [SEP] completion [SEP], with their "token_type_ids", as cross-encoders are trained; else its eos
-    after a completion that stopped, since reward models trained on TRL-style data are read at that eos."""
-    if isinstance(prompt, list) and stopped:
-        messages = prompt + [{"role": "assistant", "content": completion}]
-        return {"input_ids": tokenizer.apply_chat_template(messages, return_dict=False)}
-    if isinstance(prompt, list):
-        text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False) + completion
-        return {"input_ids": tokenizer(text, add_special_tokens=False)["input_ids"]}
-    # a tokenizer that writes no special tokens around a pair would lose its [CLS]: one segment then
-    if encoder and tokenizer.num_special_tokens_to_add(pair=True):
-        return dict(tokenizer(prompt, completion))
-    ids = tokenizer(prompt + completion)["input_ids"]
-    eos = tokenizer.eos_token_id
-    if stopped and eos is not None and ids[-1] != eos:
-        ids = ids + [eos]
-    return {"input_ids": ids}
-
-
-def pad_batch(sequences, pad_token_id, left=True, device=None):
-    """Token lists -> (input_ids, attention_mask), padded to the longest: on the left, as generation wants, or
-    on the right, as an encoder wants (its positions count from its first token)."""
-    tensors = [torch.tensor(s, dtype=torch.long, device=device) for s in sequences]
-    side = "left" if left else "right"
-    input_ids = pad_sequence(tensors, batch_first=True, padding_value=pad_token_id or 0, padding_side=side)
-    return input_ids, pad_sequence([torch.ones_like(tensor) for tensor in tensors], batch_first=True, padding_side=side)
 
 
 # ==================================================================================================
@@ -986,6 +588,520 @@ def train(run):
         stopping = log_metrics(run, update, stats, lr, (t0, t1, t2, t3), samples)
         end_of_update(run, update, stopping)  # evaluation, checkpoint, a stop on a signal
         run.previous_end = t3
+
+
+# ==================================================================================================
+# SPEED AND ENGINES: what the loop's calls run, each equal to the plain computation its docstring names
+
+
+def rollout(run, queries, query_mask, temperature, generator=None, k=1):
+    """Steps 1-2: sample a completion (N, T) for every query row (k copies of each prompt, k-major), cut after
+    its stop token, and its mask; about local_rollout_forward_batch_size rows per call. With --use-vllm the
+    engine samples (vllm_generate), and its log-probs of the sampled tokens come third (N, T); else None."""
+    args = run.args
+    pad = run.tokenizer.pad_token_id
+    stop = args.stop_token_id
+    vllm_logprobs = None
+    if run.llm is not None:
+        responses, vllm_logprobs = vllm_generate(run, queries, query_mask, temperature, generator, k)
+    else:
+        responses = torch.full((len(queries), args.response_length), pad, device=queries.device)
+        sample = functools.partial(
+            sample_tokens, temperature=temperature, generator=generator, top_k=args.top_k, top_p=args.top_p
+        )
+        # speed: one autocast around the rollout keeps each weight's bf16 copy in its cache (each forward's own
+        # would cast every weight at every token); on the CPU, weights packed once per rollout (float32 or bf16)
+        autocast = run.accelerator.autocast()
+        dtype = {"no": torch.float32, "bf16": torch.bfloat16}.get(run.accelerator.mixed_precision)
+        with generation_context(run) as (model, synced), autocast, packed_linears(model, dtype, not synced):
+            for rows in prompt_chunks(len(queries), k, args.local_rollout_forward_batch_size):
+                tokens = generate(
+                    model, queries[rows], query_mask[rows], args.response_length, sample, stop, pad, synced, k
+                )
+                responses[rows, : tokens.shape[1]] = tokens
+    responses, response_mask = truncate_response(responses, stop, pad)
+    return responses, response_mask, vllm_logprobs
+
+
+@torch.no_grad()
+def generate(model, queries, query_mask, length, sample, stop_token_id, pad_token_id, synced, k=1):
+    """Sample up to `length` tokens per row with a KV cache; `sample` picks each row's token from its logits
+    (sample_tokens). Rows that produced the stop token get pad afterwards; sampling ends once every row has
+    stopped (on every rank when `synced`: a ZeRO-3 sharded model needs all ranks in each forward)."""
+    position_ids = (query_mask.cumsum(1) - 1).clamp(min=0)
+    prompt_end = position_ids[:, -1:]  # (N, 1)
+    logits, cache = prompt_forward(model, queries, query_mask, position_ids, k)
+    logits = logits[:, -1].float()  # (N, V)
+    attention_mask = query_mask
+    done = torch.zeros(len(queries), dtype=torch.bool, device=queries.device)
+    tokens = []
+    for step in range(length):
+        if step > 0:
+            # the token just sampled, at the next position, attending to the cache of everything before it
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(queries), 1)], 1)
+            inputs = dict(input_ids=tokens[-1][:, None], attention_mask=attention_mask, position_ids=prompt_end + step)
+            logits = model(**inputs, **{CACHE: cache}, use_cache=True).logits[:, -1].float()  # (N, V)
+        tokens.append(torch.where(done, pad_token_id, sample(logits)))
+        if stop_token_id is not None:
+            done |= tokens[-1] == stop_token_id
+            # one host sync per token, as in HF generate
+            running = all_reduce((~done).sum()) if synced else (~done).sum()
+            if running.item() == 0:
+                break
+    return torch.stack(tokens, 1)  # (N, t <= length)
+
+
+def prompt_chunks(n, k, size):
+    """Row indices of n rows (k copies of n/k prompts, k-major) in chunks of about `size`: whole prompts, each
+    chunk k-major too."""
+    rows = torch.arange(n).view(k, -1)  # (k, B): row i*B + j is sample i of prompt j
+    return [chunk.flatten() for chunk in rows.split(max(1, size // k), dim=1)]
+
+
+def prompt_forward(model, queries, query_mask, position_ids, k):
+    """Each of the N/k prompts once, for rows that are k copies of them (k-major): the logits of every row's
+    last position (N, 1, V), and a KV cache holding the prompts' keys and values, copied k times."""
+    B = len(queries) // k
+    inputs = dict(input_ids=queries[:B], attention_mask=query_mask[:B], position_ids=position_ids[:B])
+    output = model(**inputs, use_cache=True, logits_to_keep=1)
+    # the cache of prompt j for rows j, B + j, 2B + j, ... (k = 1: unchanged)
+    cache = getattr(output, CACHE)
+    cache.reorder_cache(torch.arange(B, device=queries.device).repeat(k))
+    return output.logits.repeat(k, 1, 1), cache
+
+
+def forward_logprobs(model, queries, query_mask, responses, response_mask, temperature, with_entropy=False, k=1):
+    """Log-probs (N, T) of the responses under `model`, and with with_entropy each position's entropy (else
+    0). Only the positions that predict them reach the head, which gives log-probs, not logits
+    (model_logprobs). With k > 1 each prompt runs once (prompt_forward) and its k completions attend to
+    its keys and values: the same numbers as one forward per row."""
+    width = responses.shape[1]
+    # speed: the rows' own longest completion, not the rollout's; the padding columns after it get 0
+    T = int(response_mask.sum(1).max())
+    responses = responses[:, :T]
+    P = queries.shape[1]
+    mask = torch.cat([query_mask, response_mask[:, :T].long()], 1)
+    # left padding: positions count real tokens, as in generation
+    position_ids = (mask.cumsum(1) - 1).clamp(min=0)
+    if k == 1:
+        # one forward over prompt + completion; position p predicts the token at p + 1
+        inputs = dict(
+            input_ids=torch.cat([queries, responses], 1),
+            attention_mask=mask,
+            position_ids=position_ids,
+            logits_to_keep=T + 1,
+            use_cache=False,
+        )
+        logprobs = model_logprobs(model, inputs, responses, temperature, with_entropy)  # (N, T, 2)
+    else:
+        # the prompt's last position predicts the first token: (N, 1, V) logits
+        first_logits, cache = prompt_forward(model, queries, query_mask, position_ids[:, :P], k)
+        first = logprobs_from_logits(first_logits, responses[:, :1], temperature, with_entropy)
+        logprobs = torch.stack(first, -1)  # (N, 1, 2)
+    if k > 1 and T > 1:
+        # each completion but its last token, attending to the cache of its prompt
+        inputs = dict(
+            input_ids=responses[:, :-1],
+            attention_mask=mask[:, :-1],
+            position_ids=position_ids[:, P:-1],
+            **{CACHE: cache},
+            use_cache=True,
+        )
+        # the first token's log-probs (N, 1, 2), then the others' (N, T - 1, 2)
+        logprobs = torch.cat([logprobs, model_logprobs(model, inputs, responses[:, 1:], temperature, with_entropy)], 1)
+    return torch.nn.functional.pad(logprobs, (0, 0, 0, width - T)).unbind(-1)  # (N, width) each
+
+
+def model_logprobs(model, inputs, tokens, temperature, with_entropy):
+    """model(**inputs) with its unembedding giving head_logprobs of `tokens`, (N, T, 2), in place of logits
+    (N, T, V). The head still runs as a module, so under ZeRO-3 its own hooks gather its weight (once for all
+    chunks) in the forward and again in the backward."""
+    head = extract_model_from_parallel(model).get_output_embeddings()
+    logits_forward = head.forward  # float32_head's, or the module's own (with LoRA: base + adapter)
+    returned = []  # what the head gave
+
+    def forward(hidden):
+        returned.append(head_logprobs(hidden, logits_forward, head.out_features, tokens, temperature, with_entropy))
+        return returned[-1]
+
+    head.forward = forward
+    try:
+        logprobs = model(**inputs).logits  # (N, T, 2)
+    finally:
+        head.forward = logits_forward
+    # a model that changes its head's output (Gemma's softcapping, Cohere's and Granite's logit scales) would
+    # change these log-probs: refused, rather than trained on wrong numbers
+    if logprobs.data_ptr() != returned[-1].data_ptr():
+        change = "the model changes its logits after its head (a softcap, a scale)"
+        raise ArgumentError(f"--sft-model-path: {change}; rloo.py reads log-probs at the head")
+    return logprobs
+
+
+def head_logprobs(hidden, logits_forward, vocab_size, tokens, temperature, with_entropy):
+    """logprobs_from_logits of the head's logits (logits_forward) from the hidden states (N, >= T, H) before
+    `tokens` (N, T), a chunk of positions (2**26 logits, 256 MB in float32) at a time whatever the length: no
+    (N, T, V) tensor. With several chunks each runs under torch.utils.checkpoint: with gradients its logits are
+    recomputed in the backward, not kept. Returns (N, T, 2): log-probs, entropies (0 without with_entropy)."""
+    N, T = tokens.shape
+    hidden = hidden[:, :T].reshape(N * T, -1)  # (N*T, H)
+    tokens = tokens.flatten()
+    positions_per_chunk = max(1, 2**26 // vocab_size)
+    # speed, CPU: the log-softmax on pieces, the same numbers; of 128 MB, which the allocator gives back (8 MB pieces
+    # made the peak 2.6x at 16 x 512 x 151936 logits)
+    positions_per_piece = positions_per_chunk
+    if hidden.device.type == "cpu":
+        positions_per_piece = max(1, 2**25 // vocab_size)
+        # up to 4 chunks, of 8 MB, which the caches hold (the Medium and SmolLM2 shapes train 15-20% faster)
+        if N * T <= 4 * positions_per_chunk:
+            positions_per_piece = max(1, 2**21 // vocab_size)
+
+    def chunk_logprobs(hidden_chunk, tokens_chunk):
+        logits = logits_forward(hidden_chunk)  # (positions, V)
+        split = zip(logits.split(positions_per_piece), tokens_chunk.split(positions_per_piece), strict=True)
+        pieces = [
+            torch.stack(logprobs_from_logits(piece, piece_tokens, temperature, with_entropy), -1)
+            for piece, piece_tokens in split
+        ]
+        return torch.cat(pieces)  # (positions, 2)
+
+    # speed: one chunk keeps its logits for the backward, where several would recompute them: one head matmul
+    # fewer, and no more memory (the backward holds them either way); the same numbers
+    if N * T <= positions_per_chunk:
+        return chunk_logprobs(hidden, tokens).view(N, T, 2)
+    split = zip(hidden.split(positions_per_chunk), tokens.split(positions_per_chunk), strict=True)
+    chunks = [
+        torch.utils.checkpoint.checkpoint(
+            chunk_logprobs, hidden_chunk, tokens_chunk, use_reentrant=False, preserve_rng_state=False
+        )
+        for hidden_chunk, tokens_chunk in split
+    ]
+    return torch.cat(chunks).view(N, T, 2)
+
+
+def batched_logprobs(model, queries, query_mask, responses, response_mask, temperature, batches, k=1):
+    """forward_logprobs over `batches`, lists of row indices (with k > 1: whole prompts with their k copies,
+    k-major): (N, T)."""
+    logprobs = torch.empty(responses.shape, device=responses.device)
+    for rows in batches:
+        chunk_logprobs, _ = forward_logprobs(
+            model, queries[rows], query_mask[rows], responses[rows], response_mask[rows], temperature, k=k
+        )
+        logprobs[rows] = chunk_logprobs
+    return logprobs
+
+
+def micro_batches(lengths, micro, mini_batch):
+    """One epoch's micro-batches (row indices, in row order): a random order cut into mini-batches, each sorted by
+    completion length (N,) and cut into micro-batches, so that similar lengths pad little. A mini-batch's gradient
+    does not depend on the grouping: the mean of equal micro-batches' means, or each token weighing 1 / its tokens."""
+    batches = []
+    for rows in torch.randperm(len(lengths), device=lengths.device).split(mini_batch):
+        by_length = rows[lengths[rows].argsort(stable=True)]
+        batches += [micro_rows.sort().values for micro_rows in by_length.split(micro)]
+    return batches
+
+
+def float32_head(linear):
+    """Make a head (the unembedding, a reward model's `score`) compute in float32 from its bf16 inputs and
+    weights: under bf16 autocast or DeepSpeed's bf16 it would round its outputs to bf16 (steps of 0.06 near a
+    logit of 10) before any of the float32 math of log-probs, ratios and rewards."""
+
+    def forward(hidden):
+        bias = None if linear.bias is None else linear.bias.float()
+        with torch.autocast(hidden.device.type, enabled=False):
+            return torch.nn.functional.linear(hidden.float(), linear.weight.float(), bias)
+
+    linear.forward = forward
+
+
+@contextlib.contextmanager
+def packed_linears(model, dtype, enabled):
+    """On the CPU, nn.Linear layers of 2**18 weights or more (below, MKL is faster) run through oneDNN on weights
+    cast to `dtype` (None: not at all) and reordered once per rollout, as torch.compile does. Sampling SmolLM2-135M
+    (64 rows, 32 tokens) it saves 39% of the time in float32 and 20% in bf16 on an AVX512-BF16 CPU, 20% in float32
+    on one capped to AVX2. Under bf16 autocast each weight is cast once, not at every token, and the head gives bf16
+    logits to sample from (its float32 forward, float32_head, is for step 3's log-probs)."""
+    linears = []
+    on_cpu = next(model.parameters()).device.type == "cpu"
+    can_pack = enabled and on_cpu and dtype is not None and torch.backends.mkldnn.is_available()
+    # oneDNN packs bf16 weights only for a CPU with bf16 units (AVX512-BF16, AMX); elsewhere they stay as they are
+    if can_pack and dtype == torch.bfloat16:
+        can_pack = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    if can_pack:
+        linears = [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.numel() >= 2**18]
+    forwards = [vars(m).get("forward") for m in linears]  # float32_head's, or none: nn.Linear's own
+    linear_pointwise = torch.ops.mkldnn._linear_pointwise
+    for m in linears:
+        packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach().to(dtype))
+        bias = m.bias
+        if bias is not None:
+            bias = bias.detach().to(dtype)
+        m.forward = lambda x, packed=packed, bias=bias: linear_pointwise(x.to(dtype), packed, bias, "none", [], "")
+    yield
+    for m, forward in zip(linears, forwards, strict=True):
+        del m.forward
+        if forward is not None:
+            m.forward = forward
+
+
+@contextlib.contextmanager
+def generation_context(run):
+    """The model to sample from, and whether ranks must sample in step. Under ZeRO-3 with
+    ds3_gather_for_generation the weights are gathered once per rollout with ZeRO-3's hooks off: they would
+    gather each weight at every step, and ranks stopping at different steps would issue uneven collectives."""
+    # no dropout anyway; eval lets generation use the KV cache under gradient checkpointing
+    run.policy.eval()
+    model = run.accelerator.unwrap_model(run.policy)
+    if not (run.zero3 and run.args.ds3_gather_for_generation):
+        yield model, run.zero3  # a sharded model needs every rank in each forward
+        return
+    import deepspeed
+
+    # ZeRO-3's manager of the policy's sharded weights
+    offload = run.policy.optimizer.parameter_offload
+    module = offload.module
+    start_of_forward = module._forward_pre_hooks[offload.fwd_pre_hook.id]
+    with deepspeed.zero.GatheredParameters(list(run.policy.parameters())):
+        # every hook off, the start-of-forward one too: before the first training step it checks with the
+        # other ranks at each forward
+        for hook in offload.forward_hooks + offload.backward_hooks + [offload.fwd_pre_hook]:
+            hook.remove()
+        offload.forward_hooks = []
+        offload.backward_hooks = []
+        try:
+            yield model, False
+        finally:  # the hooks back, in their order, before the weights are sharded again
+            offload.fwd_pre_hook = module.register_forward_pre_hook(start_of_forward, prepend=True)
+            offload._register_deepspeed_module(module)
+
+
+@contextlib.contextmanager
+def reference_model(run):
+    """The frozen reference: its own model, or with LoRA the policy itself with its adapters switched off."""
+    if run.ref_policy is not None:
+        yield run.ref_policy
+        return
+    policy = run.accelerator.unwrap_model(run.policy)
+    with policy.disable_adapter():
+        yield policy
+
+
+@torch.no_grad()
+def vllm_generate(run, queries, query_mask, temperature, generator, k):
+    """Step 1 on the vLLM engine: it gets the policy's weights in place (sync_vllm_weights), then each prompt's token
+    ids, unpadded, with n = k and a seed drawn from `generator` (None: the global one, which a resumed run restores, so
+    that it samples what an uninterrupted run did). Returns the completions (N, <= response_length), k-major, pad after
+    each, and the engine's log-probs of the sampled tokens under its tempered distribution."""
+    from vllm import SamplingParams
+
+    args = run.args
+    B = len(queries) // k
+    if args.vllm_enable_sleep_mode:
+        run.llm.wake_up()
+    sync_vllm_weights(run)
+    # the first B rows are the B prompts, left-padded
+    prompts = [
+        {"prompt_token_ids": ids[mask.bool()].tolist()} for ids, mask in zip(queries[:B], query_mask[:B], strict=True)
+    ]
+    # the engine seeds a prompt's k samples seed, seed + 1, ..., seed + k - 1
+    seeds = k * torch.randint(2**31 // k, (B,), generator=generator, device=queries.device)
+    stop_token_ids = [] if args.stop_token_id is None else [args.stop_token_id]
+    params = [
+        SamplingParams(
+            n=k,
+            seed=seed,
+            temperature=temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            max_tokens=args.response_length,
+            # the stop token only, not the model's own eos unless it is that
+            stop_token_ids=stop_token_ids,
+            ignore_eos=True,
+            # the sampled token's log-prob, in a flat list
+            logprobs=0,
+            flat_logprobs=True,
+            detokenize=False,
+        )
+        for seed in seeds.tolist()
+    ]
+    outputs = run.llm.generate(prompts, params, use_tqdm=False)
+    # the KV cache and the weights are freed for the update: the next rollout gives the weights again
+    if args.vllm_enable_sleep_mode:
+        run.llm.sleep(level=1)
+    completions = [output.outputs[i] for i in range(k) for output in outputs]  # k-major
+    responses = [torch.tensor(completion.token_ids) for completion in completions]
+    responses = pad_sequence(responses, batch_first=True, padding_value=run.tokenizer.pad_token_id)
+    sampled_logprobs = [torch.tensor(completion.logprobs.logprobs) for completion in completions]
+    sampled_logprobs = pad_sequence(sampled_logprobs, batch_first=True)
+    return responses.to(queries.device), sampled_logprobs.to(queries.device)
+
+
+@torch.no_grad()
+def sync_vllm_weights(run):
+    """Give the engine the policy's current weights, in place, a layer at a time (the engine fuses a layer's
+    projections, which must arrive together): under ZeRO-3 each layer's are gathered, sent and freed, so no
+    rank holds the whole model twice. A LoRA layer sends base + scale * B A, merged for the engine only: the
+    trainer's adapters stay apart."""
+    model = run.accelerator.unwrap_model(run.policy)
+    layers = {}  # a parameter's name up to its layer's number (model.layers.3), or the whole name
+    # a tied head's weight under its own name too: the engine computes logits from a copy of its own
+    for name, param in model.named_parameters(remove_duplicate=False):
+        parts = name.split(".")
+        number = next((i for i, part in enumerate(parts) if part.isdigit()), len(parts))
+        layers.setdefault(".".join(parts[: number + 1]), []).append((name, param))
+    for layer in layers.values():
+        gathered = contextlib.nullcontext()
+        if run.zero3:
+            import deepspeed
+
+            gathered = deepspeed.zero.GatheredParameters([param for _, param in layer])
+        with gathered:
+            weights = []
+            for name, param in layer:
+                if ".lora_" in name:
+                    continue
+                value = param
+                # LoRA: the base weight plus its adapter's scale * B A
+                if name.endswith(".base_layer.weight"):
+                    lora_layer = model.get_submodule(name.removesuffix(".base_layer.weight"))
+                    value = param + lora_layer.get_delta_weight("default")
+                # a transformers checkpoint's names: without peft's prefix and base_layer
+                weights.append((name.removeprefix("base_model.model.").replace(".base_layer", ""), value))
+            run.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+    # the engine's cached prompt blocks hold keys and values of the old weights
+    run.llm.reset_prefix_cache()
+
+
+# ==================================================================================================
+# REWARDS: the reward sources of step 4
+
+
+@dataclass
+class RewardSource:
+    """One term of the score: a reward function, or a reward model (with its own tokenizer: it re-encodes)."""
+
+    name: str  # for the metric rewards/<name>
+    flag: str  # for error messages: `--reward-fn module:function` or `--reward-model-path PATH`
+    weight: float = 1.0
+    fn: Any = None
+    model: Any = None
+    tokenizer: Any = None  # None: the reward model reads the policy's token ids (same vocabulary, a decoder)
+
+
+@torch.no_grad()
+def score_completions(run, rows, queries, query_mask, responses, response_mask, stopped):
+    """Steps 4-5: score = sum_s weight_s * reward_s for each completion, minus missing_eos_penalty for the
+    completions that never produced the stop token; and each source's rewards by name. A reward model reads
+    the policy's token ids when it shares their vocabulary, else prompt + completion rendered by its own
+    tokenizer (render_for_reward). `stopped` (N,): the completions that produced the stop token."""
+    args = run.args
+    device = responses.device
+    completions = run.tokenizer.batch_decode(responses, skip_special_tokens=True)
+    rewards = {}
+    for source in run.reward_sources:
+        if source.fn is not None:
+            values = call_reward_fn(source, rows, completions, args.dataset_text_field)
+            rewards[source.name] = torch.tensor(values, dtype=torch.float, device=device)
+            continue
+        model = run.accelerator.unwrap_model(source.model)
+        input_ids = torch.cat([queries, responses], 1)
+        attention_mask = torch.cat([query_mask, response_mask.long()], 1)
+        last_index = queries.shape[1] + response_mask.sum(1) - 1  # the last real token
+        token_type_ids = None
+        if source.tokenizer is not None:
+            # re-encoded: left-padded for a decoder, so that the last token is last; an encoder (no `score` head)
+            # reads prompt and completion as two segments
+            encoder = not hasattr(model, "score")
+            texts = zip([row[args.dataset_text_field] for row in rows], completions, stopped.tolist(), strict=True)
+            encoded = [render_for_reward(source.tokenizer, p, c, stop, encoder) for p, c, stop in texts]
+            input_ids, attention_mask = pad_batch(
+                [e["input_ids"] for e in encoded], source.tokenizer.pad_token_id, not encoder, device
+            )
+            if "token_type_ids" in encoded[0]:  # the segments of a pair: 0, then 1
+                token_type_ids = pad_batch([e["token_type_ids"] for e in encoded], 0, False, device)[0]
+            last_index = torch.full((len(input_ids),), input_ids.shape[1] - 1, device=device)
+            # nothing is truncated: a text beyond the reward model's positions would index past them (its
+            # tokenizer's limit is below its table where positions start after the pad's: RoBERTa's 512 of 514)
+            positions = min(source.tokenizer.model_max_length, model.config.max_position_embeddings)
+            if input_ids.shape[1] > positions:
+                raise ArgumentError(
+                    f"{source.flag}: a prompt + completion of {input_ids.shape[1]} of its tokens is beyond its "
+                    f"{positions} positions; lower --response-length or --max-prompt-length"
+                )
+        values = []
+        size = args.local_rollout_forward_batch_size
+        with run.accelerator.autocast():
+            for start in range(0, len(input_ids), size):
+                chunk = slice(start, start + size)
+                types = None if token_type_ids is None else token_type_ids[chunk]
+                values.append(get_reward(model, input_ids[chunk], attention_mask[chunk], last_index[chunk], types))
+        rewards[source.name] = torch.cat(values)
+    scores = sum(source.weight * rewards[source.name] for source in run.reward_sources)
+    if args.missing_eos_penalty is not None:  # resolve_args made sure a stop token is set
+        scores = scores - args.missing_eos_penalty * (~stopped).float()
+    return scores, rewards
+
+
+def get_reward(reward_model, input_ids, attention_mask, last_index, token_type_ids=None):
+    """The reward model's value (N,) for each sequence. A decoder classifier (a `score` head) is read at
+    last_index: its backbone's hidden state there, through the head (its own pooling looks for the pad id,
+    which may be eos). An encoder (BERT, RoBERTa, DeBERTa...) pools its first token in its own forward, with the
+    token types of its two segments where it has them."""
+    if not hasattr(reward_model, "score"):
+        logits = reward_model(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids).logits
+        return logits[:, 0].float()
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    backbone = getattr(reward_model, reward_model.base_model_prefix)
+    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+    rows = torch.arange(len(input_ids), device=input_ids.device)
+    last_hidden = hidden.last_hidden_state[rows, last_index.to(rows.device)]
+    return reward_model.score(last_hidden).squeeze(-1).float()
+
+
+def call_reward_fn(source, rows, completions, text_field):
+    """fn(prompts, completions, **columns): the prompts as the dataset holds them (text, or chat messages),
+    and as keyword lists aligned with the completions the dataset's other columns that fn names (all of them,
+    to a **kwargs)."""
+    parameters = inspect.signature(source.fn).parameters.values()
+    takes_all = any(p.kind == p.VAR_KEYWORD for p in parameters)
+    named = {p.name for p in parameters}
+    names = [name for name in rows[0] if name != text_field and (takes_all or name in named)]
+    columns = {name: [row.get(name) for row in rows] for name in names}
+    scores = source.fn([row[text_field] for row in rows], completions, **columns)
+    if not hasattr(scores, "__len__") or len(scores) != len(completions):
+        raise ValueError(f"{source.flag} must return {len(completions)} numbers, one per completion")
+    return [float(score) for score in scores]  # float's own error for a value that is not a number
+
+
+def render_for_reward(tokenizer, prompt, completion, stopped, encoder=False):
+    """prompt + completion as a reward model's own tokenizer writes them, {"input_ids": ...}: its special tokens
+    (a BOS); a chat prompt through its chat template with the completion as the assistant's turn, closed only if
+    the completion stopped (else the text after the template's generation prompt); an encoder's two segments,
+    [CLS] prompt [SEP] completion [SEP], with their "token_type_ids", as cross-encoders are trained; else its eos
+    after a completion that stopped, since reward models trained on TRL-style data are read at that eos."""
+    if isinstance(prompt, list) and stopped:
+        messages = prompt + [{"role": "assistant", "content": completion}]
+        return {"input_ids": tokenizer.apply_chat_template(messages, return_dict=False)}
+    if isinstance(prompt, list):
+        text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False) + completion
+        return {"input_ids": tokenizer(text, add_special_tokens=False)["input_ids"]}
+    # a tokenizer that writes no special tokens around a pair would lose its [CLS]: one segment then
+    if encoder and tokenizer.num_special_tokens_to_add(pair=True):
+        return dict(tokenizer(prompt, completion))
+    ids = tokenizer(prompt + completion)["input_ids"]
+    eos = tokenizer.eos_token_id
+    if stopped and eos is not None and ids[-1] != eos:
+        ids = ids + [eos]
+    return {"input_ids": ids}
+
+
+def pad_batch(sequences, pad_token_id, left=True, device=None):
+    """Token lists -> (input_ids, attention_mask), padded to the longest: on the left, as generation wants, or
+    on the right, as an encoder wants (its positions count from its first token)."""
+    tensors = [torch.tensor(s, dtype=torch.long, device=device) for s in sequences]
+    side = "left" if left else "right"
+    input_ids = pad_sequence(tensors, batch_first=True, padding_value=pad_token_id or 0, padding_side=side)
+    return input_ids, pad_sequence([torch.ones_like(tensor) for tensor in tensors], batch_first=True, padding_side=side)
 
 
 # ==================================================================================================
@@ -1608,114 +1724,6 @@ def batch_indices(args, num_prompts, update, rank):
     generator = torch.Generator().manual_seed(args.seed * 100003 + update // batches_per_pass)
     start = ((update % batches_per_pass) * args.world_size + rank) * B
     return torch.randperm(num_prompts, generator=generator)[start : start + B].tolist()
-
-
-@contextlib.contextmanager
-def generation_context(run):
-    """The model to sample from, and whether ranks must sample in step. Under ZeRO-3 with
-    ds3_gather_for_generation the weights are gathered once per rollout with ZeRO-3's hooks off: they would
-    gather each weight at every step, and ranks stopping at different steps would issue uneven collectives."""
-    # no dropout anyway; eval lets generation use the KV cache under gradient checkpointing
-    run.policy.eval()
-    model = run.accelerator.unwrap_model(run.policy)
-    if not (run.zero3 and run.args.ds3_gather_for_generation):
-        yield model, run.zero3  # a sharded model needs every rank in each forward
-        return
-    import deepspeed
-
-    # ZeRO-3's manager of the policy's sharded weights
-    offload = run.policy.optimizer.parameter_offload
-    module = offload.module
-    start_of_forward = module._forward_pre_hooks[offload.fwd_pre_hook.id]
-    with deepspeed.zero.GatheredParameters(list(run.policy.parameters())):
-        # every hook off, the start-of-forward one too: before the first training step it checks with the
-        # other ranks at each forward
-        for hook in offload.forward_hooks + offload.backward_hooks + [offload.fwd_pre_hook]:
-            hook.remove()
-        offload.forward_hooks = []
-        offload.backward_hooks = []
-        try:
-            yield model, False
-        finally:  # the hooks back, in their order, before the weights are sharded again
-            offload.fwd_pre_hook = module.register_forward_pre_hook(start_of_forward, prepend=True)
-            offload._register_deepspeed_module(module)
-
-
-@torch.no_grad()
-def sync_vllm_weights(run):
-    """Give the engine the policy's current weights, in place, a layer at a time (the engine fuses a layer's
-    projections, which must arrive together): under ZeRO-3 each layer's are gathered, sent and freed, so no
-    rank holds the whole model twice. A LoRA layer sends base + scale * B A, merged for the engine only: the
-    trainer's adapters stay apart."""
-    model = run.accelerator.unwrap_model(run.policy)
-    layers = {}  # a parameter's name up to its layer's number (model.layers.3), or the whole name
-    # a tied head's weight under its own name too: the engine computes logits from a copy of its own
-    for name, param in model.named_parameters(remove_duplicate=False):
-        parts = name.split(".")
-        number = next((i for i, part in enumerate(parts) if part.isdigit()), len(parts))
-        layers.setdefault(".".join(parts[: number + 1]), []).append((name, param))
-    for layer in layers.values():
-        gathered = contextlib.nullcontext()
-        if run.zero3:
-            import deepspeed
-
-            gathered = deepspeed.zero.GatheredParameters([param for _, param in layer])
-        with gathered:
-            weights = []
-            for name, param in layer:
-                if ".lora_" in name:
-                    continue
-                value = param
-                # LoRA: the base weight plus its adapter's scale * B A
-                if name.endswith(".base_layer.weight"):
-                    lora_layer = model.get_submodule(name.removesuffix(".base_layer.weight"))
-                    value = param + lora_layer.get_delta_weight("default")
-                # a transformers checkpoint's names: without peft's prefix and base_layer
-                weights.append((name.removeprefix("base_model.model.").replace(".base_layer", ""), value))
-            run.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-    # the engine's cached prompt blocks hold keys and values of the old weights
-    run.llm.reset_prefix_cache()
-
-
-@contextlib.contextmanager
-def packed_linears(model, dtype, enabled):
-    """On the CPU, nn.Linear layers of 2**18 weights or more (below, MKL is faster) run through oneDNN on weights
-    cast to `dtype` (None: not at all) and reordered once per rollout, as torch.compile does. Sampling SmolLM2-135M
-    (64 rows, 32 tokens) it saves 39% of the time in float32 and 20% in bf16 on an AVX512-BF16 CPU, 20% in float32
-    on one capped to AVX2. Under bf16 autocast each weight is cast once, not at every token, and the head gives bf16
-    logits to sample from (its float32 forward, float32_head, is for step 3's log-probs)."""
-    linears = []
-    on_cpu = next(model.parameters()).device.type == "cpu"
-    can_pack = enabled and on_cpu and dtype is not None and torch.backends.mkldnn.is_available()
-    # oneDNN packs bf16 weights only for a CPU with bf16 units (AVX512-BF16, AMX); elsewhere they stay as they are
-    if can_pack and dtype == torch.bfloat16:
-        can_pack = torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    if can_pack:
-        linears = [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.numel() >= 2**18]
-    forwards = [vars(m).get("forward") for m in linears]  # float32_head's, or none: nn.Linear's own
-    linear_pointwise = torch.ops.mkldnn._linear_pointwise
-    for m in linears:
-        packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach().to(dtype))
-        bias = m.bias
-        if bias is not None:
-            bias = bias.detach().to(dtype)
-        m.forward = lambda x, packed=packed, bias=bias: linear_pointwise(x.to(dtype), packed, bias, "none", [], "")
-    yield
-    for m, forward in zip(linears, forwards, strict=True):
-        del m.forward
-        if forward is not None:
-            m.forward = forward
-
-
-@contextlib.contextmanager
-def reference_model(run):
-    """The frozen reference: its own model, or with LoRA the policy itself with its adapters switched off."""
-    if run.ref_policy is not None:
-        yield run.ref_policy
-        return
-    policy = run.accelerator.unwrap_model(run.policy)
-    with policy.disable_adapter():
-        yield policy
 
 
 def optimizer_step(run):
