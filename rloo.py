@@ -13,7 +13,8 @@ completions of the same prompt. No value network, no GAE: one policy, a frozen r
     accelerate launch --config_file ds_zero3.yaml --num_processes 2 --mixed_precision no rloo.py
 
 How to read it: `Args` (every flag: `python rloo.py --help`); the ALGO LOGIC helpers, each with its equation; the toy
-task; `train`, the loop, steps 1-10 in the algorithm's order. Skip the PLUMBING after it on a first read.
+task; `train`, the loop, steps 1-10 in the algorithm's order. Skip what follows it on a first read: the SPEED AND
+ENGINES that the loop calls (each docstring names the plain computation it equals), the REWARDS, the PLUMBING.
 """
 
 import contextlib
@@ -373,14 +374,12 @@ def train(run):
     k = args.rloo_k
     B = args.local_dataloader_batch_size
     micro = args.per_device_train_batch_size
-    # SPEED, prompt once: when one micro-batch holds all k*B completions, every forward of the policy and the
-    # reference runs each prompt once, and its k completions attend to that prompt's keys and values. The
-    # numbers are those of one forward per row (test_prompt_once_forward_is_a_plain_forward). Gradient
-    # checkpointing keeps no cache: then each row runs its own prompt.
+    # SPEED, prompt once: when one micro-batch holds all k*B completions, each forward runs each prompt once for its k
+    # completions, the numbers of one forward per row (test_prompt_once_forward_is_a_plain_forward); not under
+    # gradient checkpointing, which keeps no cache
     rows_per_prompt = k if micro == args.local_batch_size and not args.gradient_checkpointing else 1
-    # SPEED, one pass: with one micro-batch and one epoch, step 9 trains on step 3's forward, whose log-probs,
-    # detached, are the "old" ones: one forward fewer, the same update as two forwards
-    # (test_one_forward_fewer_is_the_same_update_as_two_micro_batches)
+    # SPEED, one pass: with one micro-batch and one epoch, step 9 trains on step 3's forward, its log-probs detached the
+    # "old" ones: the update of two forwards (test_one_forward_fewer_is_the_same_update_as_two_micro_batches)
     one_pass = micro == args.local_batch_size and args.num_ppo_epochs == 1
     # step 9's forward: log-probs and entropies of the policy, with gradients
     policy_logprobs = functools.partial(
@@ -399,16 +398,12 @@ def train(run):
         dataset_rows = [run.rows[i] for i in batch] * k  # every column, for the reward functions
         t0 = now(device)
 
-        # ---- 1. rollout: k completions per prompt, and 2. each cut after its stop token; with --use-vllm the
-        # engine samples them, and gives its own log-probs of the sampled tokens (else None)
-        responses, response_mask, vllm_logprobs = rollout(run, queries, query_mask, args.temperature, k=k)
-        # (k*B,) the completions that produced the stop token; the others ran out of room (all, without one)
-        stopped = ((responses == args.stop_token_id) & response_mask).any(1)
+        # ---- 1. rollout: k completions per prompt, 2. each cut after its stop token; --use-vllm: its log-probs too
+        responses, response_mask, stopped, vllm_logprobs = rollout(run, queries, query_mask, args.temperature, k=k)
         t1 = now(device)
 
-        # ---- 3. log-probs of the sampled tokens under the policy (the update's "old" log-probs) and under
-        # the reference, both in the first epoch's micro-batches: the same rows at the same shapes run the
-        # same kernels (on GPUs too), so with one epoch the first ratio is exactly 1, and at first the KL is 0
+        # ---- 3. log-probs of the sampled tokens under the policy (the "old" ones) and the reference, both in the first
+        # epoch's micro-batches: the same shapes run the same kernels, so the first ratio is 1 and at first the KL 0
         policy.train()  # no dropout (setup turned it off); train() lets gradient checkpointing work
         lengths = response_mask.sum(1)  # (k*B,)
         mini_batch = args.local_batch_size // args.num_mini_batches
@@ -434,17 +429,12 @@ def train(run):
         if args.kl_coef > 0:
             with torch.no_grad(), accelerator.autocast(), reference_model(run) as ref_policy:
                 ref_logprobs = rollout_logprobs(ref_policy)  # (k*B, T)
-        # the log-probs of the distribution that drew the tokens: the engine's (its kernels are not the
-        # policy's) with --use-vllm and the correction, else the policy's own: every importance weight is 1
+        # the log-probs of what drew the tokens: the engine's with --use-vllm's correction, else the policy's (weight 1)
         sampler_logprobs = old_logprobs
         if args.use_vllm and args.vllm_importance_sampling_correction:
             sampler_logprobs = vllm_logprobs
         importance_weights = truncated_importance_weights(
-            old_logprobs,
-            sampler_logprobs,
-            response_mask,
-            args.vllm_importance_sampling_cap,
-            sequence_level=not args.token_level_kl,
+            old_logprobs, sampler_logprobs, response_mask, args.vllm_importance_sampling_cap, not args.token_level_kl
         )  # (k*B,), token mode (k*B, T)
 
         # ---- 4. the score: the weighted reward sources; 5. minus missing_eos_penalty if it never stopped
@@ -454,8 +444,7 @@ def train(run):
         raw_scores = scores  # what objective/scores logs: before normalization and clipping
         t2 = now(device)
 
-        # ---- 6. normalize (optional, over the global batch), and clip the normalized scores to [-c, c]; raw
-        # scores are not clipped (as in TRL 0.21: a reward's own scale is not cut at an arbitrary c)
+        # ---- 6. normalize over the global batch and clip to [-c, c] (optional); raw scores are not clipped, as in TRL
         clipped = 0  # for objective/scores_clipped_frac
         if args.normalize_reward:
             scores = whiten(scores)
@@ -473,9 +462,7 @@ def train(run):
         # ---- 8. the leave-one-out advantages
         if args.token_level_kl:
             # each token pays its own KL and those after it; the score gets the leave-one-out baseline
-            advantages = token_level_advantages(
-                scores, kl, response_mask, args.kl_coef, k, whiten_rewards=args.whiten_rewards
-            )
+            advantages = token_level_advantages(scores, kl, response_mask, args.kl_coef, k, args.whiten_rewards)
             if args.normalize_advantage:
                 advantages = torch.where(response_mask, whiten(advantages, response_mask), 0.0)  # (k*B, T)
         else:
@@ -485,34 +472,23 @@ def train(run):
             if args.normalize_advantage:
                 advantages = whiten(advantages)
         if args.mask_truncated_completions:
-            # a completion that never stopped adds nothing to the gradient; its score entered its group's
-            # baseline all the same, and it stays in every denominator
+            # a completion that never stopped adds no gradient; its score is in its group's baseline, it in every mean
             keep = stopped[:, None] if args.token_level_kl else stopped
             advantages = torch.where(keep, advantages, 0.0)
 
-        # ---- the non-finite guard: a NaN or inf anywhere in the rollout (a score before clipping, which
-        # would make an inf finite; an advantage; the policy's log-probs, or the KL, where the reference's are
-        # not finite; an importance weight, where the engine's are not) skips this update on every rank
+        # ---- the non-finite guard: a NaN or inf in a score (before clipping), an advantage, the policy's log-probs,
+        # the KL (the reference's) or an importance weight (the engine's) skips this update on every rank
         checked = (raw_scores, advantages, torch.where(response_mask, old_logprobs, 0.0), kl, importance_weights)
-        bad = torch.stack([~torch.isfinite(values).all() for values in checked]).any()
-        finite = all_reduce(bad.float()).item() == 0
-        # 3 skipped updates in a row stop the run (end_of_update)
-        if finite:
-            run.consecutive_skips = 0
-        else:
-            run.skipped_steps += args.num_ppo_epochs * args.num_mini_batches  # the optimizer steps not taken
-            run.consecutive_skips += 1
+        finite = all_finite(run, checked)
 
-        # ---- 9. the update: num_ppo_epochs passes, each over num_mini_batches shuffled mini-batches of
-        # gradient_accumulation_steps micro-batches, one optimizer step per mini-batch
+        # ---- 9. the update: num_ppo_epochs passes over num_mini_batches mini-batches, one optimizer step each
         stats = dict.fromkeys(STAT_NAMES, 0.0)  # sums for the metrics, reduced over every rank in step 10
         if not finite:  # no epochs at all when the guard skips the update
             epoch_batches = []
         for batches in epoch_batches:
             if args.token_level_kl:
-                # the real tokens of each mini-batch, over every rank: token mode averages the loss over all
-                # of them, so a token weighs the same in a short micro-batch as in a long one (transformers'
-                # Trainer fixed the same bias in gradient accumulation with num_items_in_batch)
+                # the real tokens of each mini-batch, over every rank: token mode averages the loss over all of them,
+                # so a token weighs the same in a short micro-batch as in a long one (transformers' num_items_in_batch)
                 mini_batch_tokens = all_reduce(lengths[torch.cat(batches)].view(args.num_mini_batches, -1).sum(1))
             # a mini-batch is gradient_accumulation_steps consecutive micro-batches
             for index, micro_batch in enumerate(batches):
@@ -530,8 +506,8 @@ def train(run):
                         advantages[micro_batch],
                         mb_response_mask,
                         args.cliprange,
-                        cliprange_high=args.cliprange_high,
-                        weights=importance_weights[micro_batch],
+                        args.cliprange_high,
+                        importance_weights[micro_batch],
                     )
                     # backward averages over the micro-batches and ranks: each gets its share of the tokens
                     loss_weight = 1.0
@@ -540,7 +516,6 @@ def train(run):
                         loss_weight = share * args.gradient_accumulation_steps * args.world_size
                     accelerator.backward(loss * loss_weight)
                     # at a mini-batch's last micro-batch: clip, and step unless the gradient is not finite
-                    # (DeepSpeed does both inside backward)
                     optimizer_step(run)
                 add_stats(
                     stats,
@@ -575,8 +550,7 @@ def train(run):
             vllm_diff = torch.where(response_mask, (old_logprobs - vllm_logprobs).abs(), 0.0)  # (k*B, T)
             stats["vllm_diff"] = vllm_diff.sum()
             stats["vllm_diff_max"] = vllm_diff.max()  # log_metrics takes its maximum over the ranks
-        # the sample table: this rank's first prompt and its k completions (rows 0, B, 2B, ...), with the
-        # advantages the update used (token mode: the first token's)
+        # the sample table: this rank's first prompt, its k completions (rows 0, B, 2B, ...), the advantages trained
         trained_advantages = advantages[:, 0] if args.token_level_kl else advantages  # (k*B,)
         samples = dict(
             prompt=queries[0],
@@ -596,8 +570,10 @@ def train(run):
 
 def rollout(run, queries, query_mask, temperature, generator=None, k=1):
     """Steps 1-2: sample a completion (N, T) for every query row (k copies of each prompt, k-major), cut after
-    its stop token, and its mask; about local_rollout_forward_batch_size rows per call. With --use-vllm the
-    engine samples (vllm_generate), and its log-probs of the sampled tokens come third (N, T); else None."""
+    its stop token, its mask, and which rows produced the stop token (N,); about local_rollout_forward_batch_size
+    rows per call. With --use-vllm the engine samples (vllm_generate), and its log-probs of the sampled tokens come
+    last (N, T); else None. Equals: each row alone, a token at a time drawn by sample_tokens from the model's full
+    forward on all before it (greedily by hand: test_evaluation_is_on_schedule_and_leaves_training_alone)."""
     args = run.args
     pad = run.tokenizer.pad_token_id
     stop = args.stop_token_id
@@ -620,7 +596,8 @@ def rollout(run, queries, query_mask, temperature, generator=None, k=1):
                 )
                 responses[rows, : tokens.shape[1]] = tokens
     responses, response_mask = truncate_response(responses, stop, pad)
-    return responses, response_mask, vllm_logprobs
+    stopped = ((responses == stop) & response_mask).any(1)  # (N,) produced the stop token (all False without one)
+    return responses, response_mask, stopped, vllm_logprobs
 
 
 @torch.no_grad()
@@ -674,7 +651,8 @@ def forward_logprobs(model, queries, query_mask, responses, response_mask, tempe
     """Log-probs (N, T) of the responses under `model`, and with with_entropy each position's entropy (else
     0). Only the positions that predict them reach the head, which gives log-probs, not logits
     (model_logprobs). With k > 1 each prompt runs once (prompt_forward) and its k completions attend to
-    its keys and values: the same numbers as one forward per row."""
+    its keys and values. Equals: logprobs_from_logits of one plain forward per row, at the sampled tokens
+    (test_prompt_once_forward_is_a_plain_forward, test_logprobs_from_hidden_states_in_chunks_are_the_full_logits...)."""
     width = responses.shape[1]
     # speed: the rows' own longest completion, not the rollout's; the padding columns after it get 0
     T = int(response_mask.sum(1).max())
@@ -780,7 +758,7 @@ def head_logprobs(hidden, logits_forward, vocab_size, tokens, temperature, with_
 
 def batched_logprobs(model, queries, query_mask, responses, response_mask, temperature, batches, k=1):
     """forward_logprobs over `batches`, lists of row indices (with k > 1: whole prompts with their k copies,
-    k-major): (N, T)."""
+    k-major): (N, T). Equals: forward_logprobs of all N rows at once (test_one_forward_fewer_is_the_same_update...)."""
     logprobs = torch.empty(responses.shape, device=responses.device)
     for rows in batches:
         chunk_logprobs, _ = forward_logprobs(
@@ -793,7 +771,8 @@ def batched_logprobs(model, queries, query_mask, responses, response_mask, tempe
 def micro_batches(lengths, micro, mini_batch):
     """One epoch's micro-batches (row indices, in row order): a random order cut into mini-batches, each sorted by
     completion length (N,) and cut into micro-batches, so that similar lengths pad little. A mini-batch's gradient
-    does not depend on the grouping: the mean of equal micro-batches' means, or each token weighing 1 / its tokens."""
+    does not depend on the grouping: the mean of equal micro-batches' means, or each token weighing 1 / its tokens
+    (test_gradient_accumulation_gives_the_gradient_of_one_micro_batch)."""
     batches = []
     for rows in torch.randperm(len(lengths), device=lengths.device).split(mini_batch):
         by_length = rows[lengths[rows].argsort(stable=True)]
@@ -1726,6 +1705,19 @@ def batch_indices(args, num_prompts, update, rank):
     return torch.randperm(num_prompts, generator=generator)[start : start + B].tolist()
 
 
+def all_finite(run, checked):
+    """The non-finite guard: whether every value of the tensors `checked` is finite, on every rank (one all-reduce).
+    If not, the update's optimizer steps count in train/skipped_steps, and 3 such updates in a row stop the run."""
+    bad = torch.stack([~torch.isfinite(values).all() for values in checked]).any()
+    finite = all_reduce(bad.float()).item() == 0
+    if finite:
+        run.consecutive_skips = 0
+    else:
+        run.skipped_steps += run.args.num_ppo_epochs * run.args.num_mini_batches  # the optimizer steps not taken
+        run.consecutive_skips += 1
+    return finite
+
+
 def optimizer_step(run):
     """At a mini-batch's end: clip, step unless the norm is not finite (every rank sees the same norm), zero.
     A step not taken counts in train/skipped_steps, under DeepSpeed too (it clips and steps in backward)."""
@@ -1866,9 +1858,8 @@ def evaluate(run, update):
     indices = (mine + [0] * per_rank)[:per_rank]  # padded with prompt 0
     queries, query_mask = pad_batch([run.eval_prompts[i] for i in indices], tokenizer.pad_token_id, device=device)
     generator = torch.Generator(device).manual_seed(args.seed + 100003 * rank + update)
-    responses, response_mask, _ = rollout(run, queries, query_mask, args.eval_temperature, generator=generator)
+    responses, response_mask, stopped, _ = rollout(run, queries, query_mask, args.eval_temperature, generator=generator)
     rows = [run.eval_rows[i] for i in indices]
-    stopped = ((responses == args.stop_token_id) & response_mask).any(1)
     scores, rewards = score_completions(run, rows, queries, query_mask, responses, response_mask, stopped)
     per_completion = {
         "eval/scores": scores,
