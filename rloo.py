@@ -14,7 +14,7 @@ completions of the same prompt. No value network, no GAE: one policy, a frozen r
 
 How to read it: `Args` (every flag: `python rloo.py --help`); the ALGO LOGIC helpers, each with its equation; the toy
 task; `train`, the loop, steps 1-10 in the algorithm's order. Skip what follows it on a first read: the SPEED AND
-ENGINES that the loop calls (each docstring names the plain computation it equals), the REWARDS, the PLUMBING.
+ENGINES that the loop calls (each call's docstring names the plain computation it equals), the REWARDS, the PLUMBING.
 """
 
 import contextlib
@@ -161,6 +161,20 @@ def all_reduce(tensor, op=dist.ReduceOp.SUM):
         tensor = tensor.clone()
         dist.all_reduce(tensor, op=op)
     return tensor
+
+
+def all_finite(run, checked):
+    """The non-finite guard: whether every value of the tensors `checked` is finite, on every rank (one all-reduce).
+    If not, the update's optimizer steps count in train/skipped_steps, and 3 such updates in a row stop the run
+    (end_of_update)."""
+    bad = torch.stack([~torch.isfinite(values).all() for values in checked]).any()
+    finite = all_reduce(bad.float()).item() == 0
+    if finite:
+        run.consecutive_skips = 0
+    else:
+        run.skipped_steps += run.args.num_ppo_epochs * run.args.num_mini_batches  # the optimizer steps not taken
+        run.consecutive_skips += 1
+    return finite
 
 
 def masked_mean(values, mask):
@@ -565,15 +579,15 @@ def train(run):
 
 
 # ==================================================================================================
-# SPEED AND ENGINES: what the loop's calls run, each equal to the plain computation its docstring names
+# SPEED AND ENGINES: what the loop's calls run; each of those calls names the plain computation it equals
 
 
 def rollout(run, queries, query_mask, temperature, generator=None, k=1):
     """Steps 1-2: sample a completion (N, T) for every query row (k copies of each prompt, k-major), cut after
     its stop token, its mask, and which rows produced the stop token (N,); about local_rollout_forward_batch_size
     rows per call. With --use-vllm the engine samples (vllm_generate), and its log-probs of the sampled tokens come
-    last (N, T); else None. Equals: each row alone, a token at a time drawn by sample_tokens from the model's full
-    forward on all before it (greedily by hand: test_evaluation_is_on_schedule_and_leaves_training_alone)."""
+    last (N, T); else None. Equals, without --use-vllm: each row alone, a token at a time drawn by sample_tokens from
+    the model's full forward on all before it (greedy, by hand: test_evaluation_is_on_schedule_and_leaves...)."""
     args = run.args
     pad = run.tokenizer.pad_token_id
     stop = args.stop_token_id
@@ -758,7 +772,7 @@ def head_logprobs(hidden, logits_forward, vocab_size, tokens, temperature, with_
 
 def batched_logprobs(model, queries, query_mask, responses, response_mask, temperature, batches, k=1):
     """forward_logprobs over `batches`, lists of row indices (with k > 1: whole prompts with their k copies,
-    k-major): (N, T). Equals: forward_logprobs of all N rows at once (test_one_forward_fewer_is_the_same_update...)."""
+    k-major): (N, T). Equals: forward_logprobs of all N rows at once (indirectly: test_one_forward_fewer_is_the...)."""
     logprobs = torch.empty(responses.shape, device=responses.device)
     for rows in batches:
         chunk_logprobs, _ = forward_logprobs(
@@ -1703,19 +1717,6 @@ def batch_indices(args, num_prompts, update, rank):
     generator = torch.Generator().manual_seed(args.seed * 100003 + update // batches_per_pass)
     start = ((update % batches_per_pass) * args.world_size + rank) * B
     return torch.randperm(num_prompts, generator=generator)[start : start + B].tolist()
-
-
-def all_finite(run, checked):
-    """The non-finite guard: whether every value of the tensors `checked` is finite, on every rank (one all-reduce).
-    If not, the update's optimizer steps count in train/skipped_steps, and 3 such updates in a row stop the run."""
-    bad = torch.stack([~torch.isfinite(values).all() for values in checked]).any()
-    finite = all_reduce(bad.float()).item() == 0
-    if finite:
-        run.consecutive_skips = 0
-    else:
-        run.skipped_steps += run.args.num_ppo_epochs * run.args.num_mini_batches  # the optimizer steps not taken
-        run.consecutive_skips += 1
-    return finite
 
 
 def optimizer_step(run):
