@@ -565,13 +565,12 @@ def train(run):
             stats["vllm_diff"] = vllm_diff.sum()
             stats["vllm_diff_max"] = vllm_diff.max()  # log_metrics takes its maximum over the ranks
         # the sample table: this rank's first prompt, its k completions (rows 0, B, 2B, ...), the advantages trained
-        trained_advantages = advantages[:, 0] if args.token_level_kl else advantages  # (k*B,)
         samples = dict(
             prompt=queries[0],
             completions=responses[::B],
             scores=raw_scores[::B],
             rewards=rewards[::B],
-            advantages=trained_advantages[::B],
+            advantages=advantages.view(len(advantages), -1)[::B, 0],  # token mode: the first token's
         )
         stopping = log_metrics(run, update, stats, lr, (t0, t1, t2, t3), samples)
         end_of_update(run, update, stopping)  # evaluation, checkpoint, a stop on a signal
@@ -1000,7 +999,7 @@ def score_completions(run, rows, queries, query_mask, responses, response_mask, 
         input_ids = torch.cat([queries, responses], 1)
         attention_mask = torch.cat([query_mask, response_mask.long()], 1)
         last_index = queries.shape[1] + response_mask.sum(1) - 1  # the last real token
-        token_type_ids = None
+        token_type_ids = torch.zeros_like(input_ids)  # one segment
         if source.tokenizer is not None:
             # re-encoded: left-padded for a decoder, so that the last token is last; an encoder (no `score` head)
             # reads prompt and completion as two segments
@@ -1010,9 +1009,10 @@ def score_completions(run, rows, queries, query_mask, responses, response_mask, 
             input_ids, attention_mask = pad_batch(
                 [e["input_ids"] for e in encoded], source.tokenizer.pad_token_id, not encoder, device
             )
-            if "token_type_ids" in encoded[0]:  # the segments of a pair: 0, then 1
-                token_type_ids = pad_batch([e["token_type_ids"] for e in encoded], 0, False, device)[0]
-            last_index = torch.full((len(input_ids),), input_ids.shape[1] - 1, device=device)
+            # a pair's segments, 0 then 1, where the tokenizer gives them; else one segment
+            types = [e.get("token_type_ids", [0] * len(e["input_ids"])) for e in encoded]
+            token_type_ids = pad_batch(types, 0, not encoder, device)[0]
+            last_index = torch.full_like(last_index, input_ids.shape[1] - 1)  # the last position, each row's last token
             # nothing is truncated: a text beyond the reward model's positions would index past them (its
             # tokenizer's limit is below its table where positions start after the pad's: RoBERTa's 512 of 514)
             positions = min(source.tokenizer.model_max_length, model.config.max_position_embeddings)
@@ -1026,8 +1026,10 @@ def score_completions(run, rows, queries, query_mask, responses, response_mask, 
         with run.accelerator.autocast():
             for start in range(0, len(input_ids), size):
                 chunk = slice(start, start + size)
-                types = None if token_type_ids is None else token_type_ids[chunk]
-                values.append(get_reward(model, input_ids[chunk], attention_mask[chunk], last_index[chunk], types))
+                reward = get_reward(
+                    model, input_ids[chunk], attention_mask[chunk], last_index[chunk], token_type_ids[chunk]
+                )
+                values.append(reward)
         rewards[source.name] = torch.cat(values)
     scores = sum(source.weight * rewards[source.name] for source in run.reward_sources)
     if args.missing_eos_penalty is not None:  # resolve_args made sure a stop token is set
