@@ -70,6 +70,8 @@ class Args:
     dataset_name: str | None = None  # prompts: a hub dataset, a directory or a .jsonl file; None: toy
     dataset_split: str = "train"  # the split of the dataset to train on
     dataset_text_field: str = "prompt"  # the field holding each prompt: text, or a list of chat messages
+    # keyword arguments of the policy's chat template, as a JSON object: '{"enable_thinking": false}' (Qwen3)
+    chat_template_kwargs: str | None = None
     max_prompt_length: int = 512  # prompts with more tokens than this are left out
     response_length: int = 53  # the most tokens sampled per completion
     stop_token: Literal["eos"] | None = None  # `eos`: stop a completion at the eos token (cut after it)
@@ -81,10 +83,20 @@ class Args:
     mask_truncated_completions: bool = False  # completions that never stopped add nothing to the gradient
     local_rollout_forward_batch_size: int = 64  # completions per forward pass in generation and scoring
     rloo_k: int = 2  # completions sampled per prompt (the k of RLOO)
+    # DAPO's dynamic sampling: a prompt whose k scores are all equal is dropped and more prompts are sampled, round
+    # after round, until each process has B prompts whose scores differ; an episode is still a completion trained on
+    dynamic_sampling: bool = False
+    max_sampling_rounds: int = 4  # with --dynamic-sampling, then the last round's other prompts fill the batch
     kl_coef: float = 0.05  # weight of the KL penalty against the reference policy
-    # the KL penalty on each token's advantage, its KL-to-go, with a per-token ratio (True); or in the sequence
-    # reward. Not TRL 0.21's flag, which sums the per-token KL back into the sequence reward: the same estimator
+    # the KL penalty on each token's advantage, its KL-to-go (True; its ratio per token); or in the sequence reward.
+    # Not TRL 0.21's flag, which sums the per-token KL back into the sequence reward: the same estimator
     token_level_kl: bool = False
+    # the ratio pi / pi_old per token (token); or per sequence: of its tokens' mean log-ratio (sequence, GSPO's, as TRL
+    # GRPO's), or their sum (sequence_sum, TRL 0.21 RLOO's). None: token with --token-level-kl, else sequence_sum
+    importance_sampling_level: Literal["token", "sequence", "sequence_sum"] | None = None
+    # the KL penalty's estimate per sampled token: k1 = logp - ref_logp (the RLOO paper's), or Schulman's k3 =
+    # exp(ref_logp - logp) - (ref_logp - logp) - 1 (never negative, of lower variance)
+    kl_estimator: Literal["k1", "k3"] = "k1"
     normalize_reward: bool = False  # z-score the scores over the global batch
     reward_clip_range: float = 10.0  # with --normalize-reward, clip the normalized scores to [-c, c] (as TRL)
     whiten_rewards: bool = False  # divide the rewards entering the baseline by their standard deviation
@@ -208,42 +220,65 @@ def rloo_advantages(rewards, rloo_k):
     return (rewards - baseline).flatten()  # (k*B,)
 
 
-def log_ratio(new_logprobs, old_logprobs, response_mask, sequence_level):
-    """log(pi_new / pi_old): per sequence, sum_t (logp_t - old_logp_t) over real tokens, (N,); or per token, (N, T).
-    Masked positions are zeroed with `where`, so whatever they hold (even inf or NaN) cannot leak in."""
-    diff = torch.where(response_mask, new_logprobs - old_logprobs, 0.0)
-    return diff.sum(1) if sequence_level else diff
+def equal_groups(scores, k):
+    """The prompts (B,) whose k scores (k*B,) are all equal, to float rounding: their leave-one-out advantages are 0
+    but for the KL's part, so they teach nothing (frac_reward_zero_std; --dynamic-sampling drops them)."""
+    grouped = scores.view(k, -1)  # (k, B)
+    return torch.isclose(grouped, grouped[0]).all(0)
 
 
-def policy_loss(new_logprobs, old_logprobs, advantages, response_mask, cliprange, cliprange_high=None, weights=1.0):
+def kl_estimate(logprobs, ref_logprobs, estimator):
+    """KL(pi || pi_ref) estimated at each sampled token (Schulman 2020), from d = ref_logp - logp: k1 = -d, the RLOO
+    paper's; or k3 = exp(d) - d - 1, unbiased too (E[exp(d)] = 1 under pi), never negative, of lower variance."""
+    d = ref_logprobs - logprobs
+    if estimator == "k3":
+        return d.exp() - d - 1
+    return -d
+
+
+def log_ratio(new_logprobs, old_logprobs, response_mask, level):
+    """log(pi_new / pi_old) at --importance-sampling-level: per token, logp_t - old_logp_t (N, T); per sequence
+    (N, 1), the sum over its real tokens (sequence_sum: the log-ratio of the sequences' probabilities) or their mean
+    (sequence: GSPO, Zheng et al. 2025; it does not grow with the length). Masked positions are zeroed with `where`,
+    so whatever they hold (even inf or NaN) cannot leak in."""
+    diff = torch.where(response_mask, new_logprobs - old_logprobs, 0.0)  # (N, T)
+    if level == "token":
+        return diff
+    if level == "sequence":
+        diff = diff / response_mask.sum(1, keepdim=True)  # every completion has a real token
+    return diff.sum(1, keepdim=True)
+
+
+def policy_loss(new_logprobs, old_logprobs, advantages, response_mask, cliprange, cliprange_high, weights, level):
     """The PPO-clip surrogate: loss = w * max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps_high)), where
     eps_high = eps unless given (DAPO's clip-higher lets unlikely tokens with A > 0 grow further), and w each
-    term's importance weight (truncated_importance_weights; 1 when the policy sampled).
-    advantages (N,): sequence mode, ratio = exp(sum_t (logp_t - old_logp_t)), averaged over sequences.
-    advantages (N, T): token mode, ratio_t = exp(logp_t - old_logp_t), averaged over real tokens.
-    Returns (loss, clipfrac, clipfrac_low, clipfrac_high): the fraction of terms where the clipped side is
-    the larger, and its two parts: ratio < 1 - eps with A < 0, and ratio > 1 + eps_high with A > 0."""
+    term's importance weight (truncated_importance_weights; 1 when the policy sampled). The ratio is
+    exp(log_ratio) at `level`: per token, the terms are the real tokens; per sequence, the sequences.
+    advantages: (N,) a sequence's, or (N, T) per token (--token-level-kl, whose ratio is per token).
+    Returns (loss, clipfrac, clipfrac_low, clipfrac_high): the means over terms of w * max(...), of where the
+    clipped side is the larger, and of its two parts: ratio < 1 - eps with A < 0, ratio > 1 + eps_high with A > 0."""
     if cliprange_high is None:
         cliprange_high = cliprange
-    sequence_level = advantages.dim() == 1
-    ratio = torch.exp(log_ratio(new_logprobs, old_logprobs, response_mask, sequence_level))
+    if advantages.dim() == 1:
+        advantages = advantages[:, None]  # (N, 1), for every token of the sequence
+    ratio = torch.exp(log_ratio(new_logprobs, old_logprobs, response_mask, level))  # (N, T) or (N, 1)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange_high)
     losses = torch.max(unclipped, clipped) * weights
     is_clipped = clipped > unclipped
     clipped_low = (ratio < 1.0 - cliprange) & (advantages < 0)
     clipped_high = (ratio > 1.0 + cliprange_high) & (advantages > 0)
-    # sequence mode: every sequence is a term
-    if sequence_level:
+    # a sequence's ratio: every sequence is a term
+    if level != "token":
         response_mask = torch.ones_like(losses, dtype=torch.bool)
     return tuple(masked_mean(values, response_mask) for values in (losses, is_clipped, clipped_low, clipped_high))
 
 
-def truncated_importance_weights(logprobs, sampler_logprobs, response_mask, cap, sequence_level):
+def truncated_importance_weights(logprobs, sampler_logprobs, response_mask, cap, level):
     """Truncated importance sampling (TIS, Yao et al. 2025): w = min(pi / pi_sampler, cap) of the sampled
-    tokens, where pi_sampler is the distribution they were drawn from (a vLLM engine's kernels): per sequence
-    (N,), exp(sum_t (logp_t - sampler_logp_t)) over real tokens, or per token (N, T)."""
-    return torch.exp(log_ratio(logprobs, sampler_logprobs, response_mask, sequence_level)).clamp(max=cap)
+    tokens, where pi_sampler is the distribution they were drawn from (a vLLM engine's kernels), at the ratio's
+    level (log_ratio): per token (N, T), or per sequence (N, 1)."""
+    return torch.exp(log_ratio(logprobs, sampler_logprobs, response_mask, level)).clamp(max=cap)
 
 
 def token_level_advantages(scores, kl, response_mask, kl_coef, rloo_k, whiten_rewards=False):
@@ -392,9 +427,12 @@ def train(run):
     # completions, the numbers of one forward per row (test_prompt_once_forward_is_a_plain_forward); not under
     # gradient checkpointing, which keeps no cache
     rows_per_prompt = k if micro == args.local_batch_size and not args.gradient_checkpointing else 1
-    # SPEED, one pass: with one micro-batch and one epoch, step 9 trains on step 3's forward, its log-probs detached the
+    # SPEED, one pass: with one micro-batch and one epoch, step 9 trains on step 5's forward, its log-probs detached the
     # "old" ones: the update of two forwards (test_one_forward_fewer_is_the_same_update_as_two_micro_batches)
     one_pass = micro == args.local_batch_size and args.num_ppo_epochs == 1
+    # the ratio's level; per token, a term of the loss is a token, else a sequence
+    level = args.importance_sampling_level
+    token_terms = level == "token"
     # step 9's forward: log-probs and entropies of the policy, with gradients
     policy_logprobs = functools.partial(
         forward_logprobs, policy, temperature=args.temperature, with_entropy=True, k=rows_per_prompt
@@ -405,18 +443,18 @@ def train(run):
         for group in run.optimizer.param_groups:
             group["lr"] = lr
 
-        # ---- data: this rank's B prompts, repeated k times, k-major (row i*B + j is sample i of prompt j)
-        batch = batch_indices(args, len(run.prompts), update, accelerator.process_index)  # (B,)
-        prompt_ids = [run.prompts[i] for i in batch] * k
-        queries, query_mask = pad_batch(prompt_ids, run.tokenizer.pad_token_id, device=device)  # (k*B, P)
-        dataset_rows = [run.rows[i] for i in batch] * k  # every column, for the reward functions
+        # ---- 1. rollout: k completions for each of this rank's next B prompts (k-major: row i*B + j is sample i of
+        # prompt j), 2. each cut after its stop token; 3. the score: the weighted reward sources, 4. minus
+        # missing_eos_penalty if it never stopped; 4b. --dynamic-sampling: prompts whose k scores are all equal are
+        # dropped and more are sampled, round after round, until every rank has B prompts whose scores differ
         t0 = now(device)
+        queries, query_mask, responses, response_mask, stopped, vllm_logprobs, scores, source_rewards, sampling = (
+            sample_groups(run)
+        )
+        raw_scores = scores  # what objective/scores logs: before normalization and clipping
+        t1 = t0 + sampling.pop("generation_seconds")  # the rollouts' share of the time so far
 
-        # ---- 1. rollout: k completions per prompt, 2. each cut after its stop token; --use-vllm: its log-probs too
-        responses, response_mask, stopped, vllm_logprobs = rollout(run, queries, query_mask, args.temperature, k=k)
-        t1 = now(device)
-
-        # ---- 3. log-probs of the sampled tokens under the policy (the "old" ones) and the reference, both in the first
+        # ---- 5. log-probs of the sampled tokens under the policy (the "old" ones) and the reference, both in the first
         # epoch's micro-batches: the same shapes run the same kernels, so the first ratio is 1 and at first the KL 0
         policy.train()  # no dropout (setup turned it off); train() lets gradient checkpointing work
         lengths = response_mask.sum(1)  # (k*B,)
@@ -448,14 +486,8 @@ def train(run):
         if args.use_vllm and args.vllm_importance_sampling_correction:
             sampler_logprobs = vllm_logprobs
         importance_weights = truncated_importance_weights(
-            old_logprobs, sampler_logprobs, response_mask, args.vllm_importance_sampling_cap, not args.token_level_kl
-        )  # (k*B,), token mode (k*B, T)
-
-        # ---- 4. the score: the weighted reward sources; 5. minus missing_eos_penalty if it never stopped
-        scores, source_rewards = score_completions(
-            run, dataset_rows, queries, query_mask, responses, response_mask, stopped
-        )
-        raw_scores = scores  # what objective/scores logs: before normalization and clipping
+            old_logprobs, sampler_logprobs, response_mask, args.vllm_importance_sampling_cap, level
+        )  # (k*B, T), or per sequence (k*B, 1)
         t2 = now(device)
 
         # ---- 6. normalize over the global batch and clip to [-c, c] (optional); raw scores are not clipped, as in TRL
@@ -467,7 +499,7 @@ def train(run):
 
         # ---- 7. the KL to the reference, per token; a completion's reward r: its score minus its KL penalty
         if args.kl_coef > 0:
-            kl = torch.where(response_mask, old_logprobs - ref_logprobs, 0.0)  # (k*B, T)
+            kl = torch.where(response_mask, kl_estimate(old_logprobs, ref_logprobs, args.kl_estimator), 0.0)  # (k*B, T)
         else:
             kl = torch.zeros_like(old_logprobs)  # nothing measured: objective/kl is not logged
         sequence_kl = kl.sum(1)  # (k*B,)
@@ -500,7 +532,7 @@ def train(run):
         if not finite:  # no epochs at all when the guard skips the update
             epoch_batches = []
         for batches in epoch_batches:
-            if args.token_level_kl:
+            if token_terms:
                 # the real tokens of each mini-batch, over every rank: token mode averages the loss over all of them,
                 # so a token weighs the same in a short micro-batch as in a long one (transformers' num_items_in_batch)
                 mini_batch_tokens = all_reduce(lengths[torch.cat(batches)].view(args.num_mini_batches, -1).sum(1))
@@ -509,7 +541,7 @@ def train(run):
                 mb_old_logprobs = old_logprobs[micro_batch]
                 mb_response_mask = response_mask[micro_batch]
                 with accelerator.accumulate(policy):
-                    # one pass: new_logprobs and entropy are step 3's forward, its graph still held
+                    # one pass: new_logprobs and entropy are step 5's forward, its graph still held
                     if not one_pass:
                         new_logprobs, entropy = policy_logprobs(
                             queries[micro_batch], query_mask[micro_batch], responses[micro_batch], mb_response_mask
@@ -522,10 +554,11 @@ def train(run):
                         args.cliprange,
                         args.cliprange_high,
                         importance_weights[micro_batch],
+                        level,
                     )
                     # backward averages over the micro-batches and ranks: each gets its share of the tokens
                     loss_weight = 1.0
-                    if args.token_level_kl:
+                    if token_terms:
                         share = mb_response_mask.sum() / mini_batch_tokens[index // args.gradient_accumulation_steps]
                         loss_weight = share * args.gradient_accumulation_steps * args.world_size
                     accelerator.backward(loss * loss_weight)
@@ -539,12 +572,11 @@ def train(run):
                     mb_old_logprobs,
                     entropy,
                     mb_response_mask,
-                    args.token_level_kl,
+                    level,
                 )
         t3 = now(device)
 
         # ---- 10. metrics (TRL's names), over real response tokens only, summed over every rank in one all-reduce
-        grouped = raw_scores.view(k, -1)  # (k, B)
         stats |= {
             "kl": sequence_kl.sum(),
             # summed by their metrics' names: objective/*, completions/* and rewards/* are averaged over completions
@@ -556,8 +588,9 @@ def train(run):
             "completions/clipped_ratio": (~stopped).sum(),  # completions that ran out of room
             "terminated_tokens": response_mask[stopped].sum(),
             "eos": ((responses == run.tokenizer.eos_token_id) & response_mask).sum(),
-            "zero_std": (grouped == grouped[0]).all(0).sum(),  # prompts whose k scores are all equal
+            "zero_std": equal_groups(raw_scores, k).sum(),  # prompts whose k scores are all equal
             **{f"rewards/{name}": values.sum() for name, values in source_rewards.items()},  # before weighting
+            **sampling,  # what the rounds sampled
         }
         if args.use_vllm:
             # how far the engine's log-probs of the sampled tokens are from the policy's
@@ -577,6 +610,56 @@ def train(run):
         run.previous_end = t3
 
 
+def sample_groups(run):
+    """Steps 1-4b, in rounds: this rank's next B prompts in the run's order (batch_indices at run.draws), k completions
+    each (rollout), scored (score_completions). Without --dynamic-sampling, one round. With it (DAPO), a round that
+    leaves some rank short of B prompts whose k scores differ (not equal_groups) is followed by another, up to
+    max_sampling_rounds; each rank then keeps its first B such prompts, and where there are fewer the last sampled of
+    the others, in the order sampled. Every rank samples every round (one all-reduce each): sharded forwards stay in
+    step. Returns queries, query_mask, responses, response_mask, stopped, vllm_logprobs, scores, source_rewards (k*B
+    rows, k-major) and the sums of the sampling/ metrics, with the seconds spent in rollout."""
+    args = run.args
+    device = run.accelerator.device
+    k = args.rloo_k
+    B = args.local_dataloader_batch_size
+    rounds = []  # each round's values per row (k*B, ...)
+    prompts = []  # each round's prompt indices
+    generation_seconds = 0.0
+    for _ in range(args.max_sampling_rounds):
+        batch = batch_indices(args, len(run.prompts), run.draws, run.accelerator.process_index)  # (B,)
+        run.draws += 1
+        prompts += batch
+        queries, query_mask = pad_batch([run.prompts[i] for i in batch] * k, run.tokenizer.pad_token_id, True, device)
+        start = now(device)
+        responses, response_mask, stopped, vllm_logprobs = rollout(run, queries, query_mask, args.temperature, k=k)
+        generation_seconds += now(device) - start
+        rows = [run.rows[i] for i in batch] * k  # every column of the dataset, for the reward functions
+        scores, source_rewards = score_completions(run, rows, queries, query_mask, responses, response_mask, stopped)
+        rewards = torch.stack(list(source_rewards.values()), 1)  # (k*B, sources)
+        rounds.append((responses, response_mask, stopped, vllm_logprobs, scores, rewards))
+        equal = torch.cat([equal_groups(values[4], k) for values in rounds])  # (rounds x B,)
+        # one round without --dynamic-sampling; with it, until no rank has fewer than B prompts that teach
+        if not args.dynamic_sampling or all_reduce(((~equal).sum() < B).float()).item() == 0:
+            break
+    # the prompts that differ first (key -n), then the others, the last sampled first (key -position)
+    order = torch.where(equal, -torch.arange(len(equal), device=device), -len(equal))
+    kept = order.argsort(stable=True)[:B].sort().values.tolist()  # B of them, in the order sampled
+    # each value's rows of the kept prompts: (k, rounds x B, ...) -> (k*B, ...), k-major
+    responses, response_mask, stopped, vllm_logprobs, scores, rewards = [
+        torch.cat([values[i].unflatten(0, (k, B)) for values in rounds], 1)[:, kept].flatten(0, 1) for i in range(6)
+    ]
+    queries, query_mask = pad_batch(
+        [run.prompts[prompts[i]] for i in kept] * k, run.tokenizer.pad_token_id, True, device
+    )
+    source_rewards = dict(zip(source_rewards, rewards.unbind(1), strict=True))
+    sampling = {
+        "sampling/zero_std": equal.sum(),
+        "sampling/rounds": len(rounds),
+        "generation_seconds": generation_seconds,
+    }
+    return queries, query_mask, responses, response_mask, stopped, vllm_logprobs, scores, source_rewards, sampling
+
+
 # ==================================================================================================
 # SPEED AND ENGINES: what the loop's calls run; each of those calls names the plain computation it equals
 
@@ -585,16 +668,18 @@ def rollout(run, queries, query_mask, temperature, generator=None, k=1):
     """Steps 1-2: sample a completion (N, T) for every query row (k copies of each prompt, k-major), cut after
     its stop token, its mask, and which rows produced the stop token (N,); about local_rollout_forward_batch_size
     rows per call. With --use-vllm the engine samples (vllm_generate), and its log-probs of the sampled tokens come
-    last (N, T); else None. Equals, without --use-vllm: each row alone, a token at a time drawn by sample_tokens from
+    last (N, T); else 0. Equals, without --use-vllm: each row alone, a token at a time drawn by sample_tokens from
     the model's full forward on all before it (greedy, by hand: test_evaluation_is_on_schedule_and_leaves...)."""
     args = run.args
     pad = run.tokenizer.pad_token_id
     stop = args.stop_token_id
-    vllm_logprobs = None
+    responses = torch.full((len(queries), args.response_length), pad, device=queries.device)
+    vllm_logprobs = torch.zeros(responses.shape, device=queries.device)  # (N, T), 0 without --use-vllm
     if run.llm is not None:
-        responses, vllm_logprobs = vllm_generate(run, queries, query_mask, temperature, generator, k)
+        tokens, logprobs = vllm_generate(run, queries, query_mask, temperature, generator, k)
+        responses[:, : tokens.shape[1]] = tokens
+        vllm_logprobs[:, : tokens.shape[1]] = logprobs
     else:
-        responses = torch.full((len(queries), args.response_length), pad, device=queries.device)
         sample = functools.partial(
             sample_tokens, temperature=temperature, generator=generator, top_k=args.top_k, top_p=args.top_p
         )
@@ -812,7 +897,7 @@ def packed_linears(model, dtype, enabled):
     cast to `dtype` (None: not at all) and reordered once per rollout, as torch.compile does. Sampling SmolLM2-135M
     (64 rows, 32 tokens) it saves 39% of the time in float32 and 20% in bf16 on an AVX512-BF16 CPU, 20% in float32
     on one capped to AVX2. Under bf16 autocast each weight is cast once, not at every token, and the head gives bf16
-    logits to sample from (its float32 forward, float32_head, is for step 3's log-probs)."""
+    logits to sample from (its float32 forward, float32_head, is for step 5's log-probs)."""
     linears = []
     on_cpu = next(model.parameters()).device.type == "cpu"
     can_pack = enabled and on_cpu and dtype is not None and torch.backends.mkldnn.is_available()
@@ -965,7 +1050,7 @@ def sync_vllm_weights(run):
 
 
 # ==================================================================================================
-# REWARDS: the reward sources of step 4
+# REWARDS: the reward sources of step 3
 
 
 @dataclass
@@ -982,7 +1067,7 @@ class RewardSource:
 
 @torch.no_grad()
 def score_completions(run, rows, queries, query_mask, responses, response_mask, stopped):
-    """Steps 4-5: score = sum_s weight_s * reward_s for each completion, minus missing_eos_penalty for the
+    """Steps 3-4: score = sum_s weight_s * reward_s for each completion, minus missing_eos_penalty for the
     completions that never produced the stop token; and each source's rewards by name. A reward model reads
     the policy's token ids when it shares their vocabulary, else prompt + completion rendered by its own
     tokenizer (render_for_reward). `stopped` (N,): the completions that produced the stop token."""
@@ -1121,6 +1206,7 @@ class Run:
     eval_rows: list
     llm: Any = None  # this process's vLLM engine (--use-vllm)
     start_update: int = 0
+    draws: int = 0  # batches of B prompts per rank drawn from the run's order: an update's, and the rounds'
     history: list = field(default_factory=list)  # objective/scores of every update
     skipped_steps: int = 0
     consecutive_skips: int = 0
@@ -1246,7 +1332,7 @@ def on_stop_signal(run, number, frame):
 # the lowest value of each numeric flag (None, where a flag allows it, means "not set"), and those above 0
 AT_LEAST_1 = """response_length max_prompt_length per_device_train_batch_size gradient_accumulation_steps
 lora_r num_mini_batches num_ppo_epochs save_steps local_rollout_forward_batch_size save_total_limit
-cpu_threads"""
+cpu_threads max_sampling_rounds"""
 AT_LEAST_0 = """seed stop_token_id kl_coef max_grad_norm num_sample_generations eval_steps eval_temperature
 lora_dropout top_k"""
 AT_LEAST = dict(rloo_k=2, total_episodes=1, num_eval_prompts=1, missing_eos_penalty=0, learning_rate=0)
@@ -1276,6 +1362,13 @@ def resolve_args(args, world_size, tokenizer, num_prompts, saved=None):
     sources = int(args.reward_model_path is not None) + len(args.reward_fn or []) or 1
     if args.reward_weights is not None and len(args.reward_weights) != sources:
         raise ArgumentError(f"--reward-weights: give {sources}, the reward model's first, then each --reward-fn's")
+    # None: each mode's ratio as before the flag: per token with --token-level-kl, else the sequences'
+    if args.importance_sampling_level is None and args.token_level_kl:
+        args.importance_sampling_level = "token"
+    if args.importance_sampling_level is None:
+        args.importance_sampling_level = "sequence_sum"
+    if args.token_level_kl and args.importance_sampling_level != "token":
+        raise ArgumentError("--importance-sampling-level: --token-level-kl's per-token advantages need token")
     if args.top_p > 1:
         raise ArgumentError(f"--top-p must be at most 1 (got {args.top_p})")
     no_stop_token = args.stop_token is None and args.stop_token_id is None
@@ -1375,6 +1468,10 @@ def load_prompts(args, tokenizer, path, split, flag, limit=None):
     """The first `limit` usable prompts: (token-id lists, the rows with every column). Text is encoded with
     the tokenizer's defaults, so a BOS that it adds stays; chat messages go through its chat template."""
     field_name = args.dataset_text_field
+    try:
+        template_kwargs = dict(**json.loads(args.chat_template_kwargs or "{}"))
+    except (ValueError, TypeError) as error:  # not JSON, or not an object
+        raise ArgumentError(f"--chat-template-kwargs: give a JSON object ({error})") from None
     entries = []  # (where in the dataset, row): every row read
     if path is None:
         entries = [(f"toy prompt {n}", {field_name: text}) for n, text in enumerate(toy_prompts())]
@@ -1415,7 +1512,9 @@ def load_prompts(args, tokenizer, path, split, flag, limit=None):
         # the chat template may refuse messages (jinja's TemplateError, or its own raise_exception())
         try:
             if isinstance(prompt, list):
-                ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, return_dict=False)
+                ids = tokenizer.apply_chat_template(
+                    prompt, add_generation_prompt=True, return_dict=False, **template_kwargs
+                )
             else:
                 ids = tokenizer(prompt)["input_ids"]
         except Exception as error:
@@ -1709,15 +1808,17 @@ def resume_or_seed(run, saved):
     run.history = saved["score_history"]
     run.skipped_steps = saved["skipped_steps"]
     run.consecutive_skips = saved["consecutive_skips"]
+    run.draws = saved["draws"]
 
 
-def batch_indices(args, num_prompts, update, rank):
-    """This rank's B prompt indices: its slice of one shuffled order per pass over the prompts."""
+def batch_indices(args, num_prompts, draw, rank):
+    """This rank's B prompt indices of the draw-th batch (of B prompts per rank): its slice of one shuffled order per
+    pass over the prompts."""
     B = args.local_dataloader_batch_size
     batches_per_pass = num_prompts // (B * args.world_size)
     # one order per (seed, pass)
-    generator = torch.Generator().manual_seed(args.seed * 100003 + update // batches_per_pass)
-    start = ((update % batches_per_pass) * args.world_size + rank) * B
+    generator = torch.Generator().manual_seed(args.seed * 100003 + draw // batches_per_pass)
+    start = ((draw % batches_per_pass) * args.world_size + rank) * B
     return torch.randperm(num_prompts, generator=generator)[start : start + B].tolist()
 
 
@@ -1742,11 +1843,11 @@ def optimizer_step(run):
 
 
 @torch.no_grad()
-def add_stats(stats, loss, clipfracs, new_logprobs, old_logprobs, entropy, mask, token_level):
-    """Add one micro-batch to the metric sums, by name; a "term" is a sequence (in token mode, a token).
-    clipfracs: policy_loss's fractions of clipped terms, in all, at the lower and at the upper bound."""
-    ratio_log = log_ratio(new_logprobs, old_logprobs, mask, sequence_level=not token_level)
-    term_mask = mask if token_level else torch.ones_like(ratio_log, dtype=torch.bool)
+def add_stats(stats, loss, clipfracs, new_logprobs, old_logprobs, entropy, mask, level):
+    """Add one micro-batch to the metric sums, by name; a "term" is a token, or with a sequence's ratio (`level`) a
+    sequence. clipfracs: policy_loss's fractions of clipped terms, in all, at the lower and at the upper bound."""
+    ratio_log = log_ratio(new_logprobs, old_logprobs, mask, level)
+    term_mask = mask if level == "token" else torch.ones_like(ratio_log, dtype=torch.bool)
     terms = term_mask.sum()
     ratio = ratio_log.exp()[term_mask]
     for name, value in zip(PER_TERM[:4], (loss,) + clipfracs, strict=True):  # the four of policy_loss
@@ -1805,6 +1906,11 @@ def log_metrics(run, update, stats, lr, times, samples):
     # at kl_coef 0 no reference runs: a KL of 0 would claim a measurement that was not made
     if args.kl_coef > 0:
         metrics["objective/kl"] = totals["kl"] / n
+    if args.dynamic_sampling:
+        prompts = totals["sampling/rounds"] * args.local_dataloader_batch_size  # B a round on every rank
+        metrics["sampling/frac_reward_zero_std"] = totals["sampling/zero_std"] / prompts
+        metrics["sampling/rounds"] = totals["sampling/rounds"] / args.world_size
+        metrics["sampling/prompts"] = prompts
     if args.use_vllm:
         metrics["vllm/logprob_diff_mean"] = totals["vllm_diff"] / max(generated, 1.0)
         metrics["vllm/logprob_diff_max"] = all_reduce(stats["vllm_diff_max"], op=dist.ReduceOp.MAX).item()
@@ -1847,7 +1953,7 @@ def print_samples(tokenizer, samples):
 
 @torch.no_grad()
 def evaluate(run, update):
-    """Held-out evaluation after `update`: steps 1, 2, 4 and 5 at eval_temperature, sampling from a generator
+    """Held-out evaluation after `update`: steps 1-4 at eval_temperature, sampling from a generator
     of its own. The prompts are shared out among the ranks and padded to equal counts, so that sharded
     forwards stay in step."""
     args = run.args
@@ -1927,7 +2033,7 @@ def save_checkpoint(run, update):
     accelerator.wait_for_everyone()  # every rank's files written before the rename
     if accelerator.is_main_process:
         state = dict(update=update, world_size=args.world_size, args=asdict(args), score_history=run.history)
-        state |= dict(skipped_steps=run.skipped_steps, consecutive_skips=run.consecutive_skips)
+        state |= dict(skipped_steps=run.skipped_steps, consecutive_skips=run.consecutive_skips, draws=run.draws)
         with open(os.path.join(final + ".tmp", "trainer_state.json"), "w") as f:
             json.dump(state, f)
         shutil.rmtree(final, ignore_errors=True)

@@ -103,6 +103,28 @@ def test_rloo_advantages_layout_is_k_major():
     assert_close(got, torch.tensor([-1.0, -20.0, 1.0, 20.0]))
 
 
+def test_equal_groups_are_the_prompts_whose_scores_are_all_equal_to_rounding():
+    # k = 3, B = 4 (k-major): prompt 0 all 1.0; prompt 1 differs; prompt 2 all 0.3 but for float32's rounding in a sum
+    # of ten 0.03s; prompt 3 differs by 1e-3
+    rounded = torch.full((10,), 0.03).sum()
+    assert rounded.item() != torch.tensor(0.3).item()  # the rounding is there
+    scores = torch.stack([torch.tensor(v) for v in [1.0, 0.0, 0.3, 2.0, 1.0, 5.0, rounded, 2.0, 1.0, 0.0, 0.3, 2.001]])
+    assert rloo.equal_groups(scores, 3).tolist() == [True, False, True, False]
+
+
+def test_kl_estimators_are_their_formulas_and_unbiased():
+    logp, ref = torch.tensor([-1.0, -2.0, -0.5]), torch.tensor([-1.5, -1.0, -0.5])
+    # d = ref - logp = [-0.5, 1.0, 0]: k1 = -d, k3 = exp(d) - d - 1
+    assert_close(rloo.kl_estimate(logp, ref, "k1"), torch.tensor([0.5, -1.0, 0.0]))
+    k3 = [math.exp(-0.5) + 0.5 - 1, math.exp(1.0) - 1.0 - 1, 0.0]
+    assert_close(rloo.kl_estimate(logp, ref, "k3"), torch.tensor(k3))
+    # over a whole distribution, each one's mean under pi is KL(pi || ref) = sum_x pi(x) log(pi(x) / ref(x))
+    pi, pi_ref = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64), torch.tensor([0.2, 0.2, 0.6], dtype=torch.float64)
+    kl = (pi * (pi / pi_ref).log()).sum()
+    for estimator in ("k1", "k3"):
+        assert_close((pi * rloo.kl_estimate(pi.log(), pi_ref.log(), estimator)).sum(), kl)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # 2. policy_loss
 
@@ -114,7 +136,7 @@ def test_policy_loss_sequence_mode_by_hand():
     old = -torch.tensor([[1.0, 2.0, 0.5], [0.3, 1.5, 2.5], [0.7, 1.1, 0.2], [2.0, 0.4, 0.9], [1.2, 3.0, 0.6]])
     new = (old + diffs).requires_grad_()
     adv = torch.tensor([2.0, -1.0, -1.0, 3.0, -0.5])
-    loss, clipfrac, clipfrac_low, clipfrac_high = rloo.policy_loss(new, old, adv, mask, eps)
+    loss, clipfrac, clipfrac_low, clipfrac_high = rloo.policy_loss(new, old, adv, mask, eps, None, 1.0, "sequence_sum")
     # row: log ratio, A -> unclipped -A r, clipped -A clip(r), the max, clipped wins?
     # 0: 0.3,   A=2    -> -2 e^.3 = -2.6997, -2*1.2 = -2.4        -> -2.4, clipped
     # 1: 0.04,  A=-1   -> e^.04 = 1.0408 both (inside the range)  -> 1.0408, not clipped
@@ -139,7 +161,7 @@ def test_policy_loss_token_mode_by_hand():
     old = torch.tensor([[-1.0, -0.2, -3.0], [-0.6, -1.4, -0.8]])
     new = (old + diffs).requires_grad_()
     adv = torch.tensor([[1.0, 2.0, -1.0], [-2.0, 0.5, 0.0]])
-    loss, clipfrac, _, _ = rloo.policy_loss(new, old, adv, mask, eps)
+    loss, clipfrac, _, _ = rloo.policy_loss(new, old, adv, mask, eps, None, 1.0, "token")
     # (0,0): r=e^.3,  A=1   -> -1.3499 vs -1.2          -> -1.2 clipped
     # (0,1): r=e^-.1, A=2   -> -1.8097 both             -> not clipped
     # (0,2): r=e^-.4, A=-1  -> 0.6703 vs 0.8            -> 0.8 clipped
@@ -153,16 +175,44 @@ def test_policy_loss_token_mode_by_hand():
     assert_close(new.grad, expected)
 
 
+def test_the_ratios_level_by_hand():
+    # row 0: log-ratios 0.25, 0.05 (sum 0.3, mean 0.15), A = 1; row 1: 0.1, A = -1; eps 0.2
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.bool)
+    old = -torch.ones(2, 3)
+    new = old + torch.tensor([[0.25, 0.05, 9.0], [0.1, 9.0, 9.0]])  # 9: padding, masked
+    adv = torch.tensor([1.0, -1.0])
+    e = math.exp
+    expected = {
+        # the sequences' ratios e^0.3 (clipped: -1.2) and e^0.1: two terms
+        "sequence_sum": ([0.3, 0.1], (-1.2 + e(0.1)) / 2, 1 / 2),
+        # GSPO: e^0.15 (inside the range) and e^0.1
+        "sequence": ([0.15, 0.1], (-e(0.15) + e(0.1)) / 2, 0.0),
+        # per token: e^0.25 (clipped: -1.2), e^0.05 with A = 1, e^0.1 with A = -1: three terms
+        "token": ([[0.25, 0.05, 0.0], [0.1, 0.0, 0.0]], (-1.2 - e(0.05) + e(0.1)) / 3, 1 / 3),
+    }
+    for level, (log_ratios, loss, clipfrac) in expected.items():
+        got = rloo.log_ratio(new, old, mask, level)
+        assert_close(got.flatten(), torch.tensor(log_ratios).flatten())
+        assert got.shape == ((2, 3) if level == "token" else (2, 1))
+        assert_close(
+            rloo.policy_loss(new, old, adv, mask, 0.2, None, 1.0, level)[:2],
+            (torch.tensor(loss), torch.tensor(clipfrac)),
+        )
+        # truncated importance weights at the same level: min(e^log_ratio, cap)
+        weights = rloo.truncated_importance_weights(new, old, mask, 1.1, level)
+        assert_close(weights.flatten(), torch.tensor(log_ratios).flatten().exp().clamp(max=1.1))
+
+
 def test_clip_higher_moves_only_the_upper_bound():
     # row 0: ratio 1.25 with A = 2; row 1: ratio 0.7 with A = -1 (sequence mode, one token each)
     old = torch.zeros(2, 1)
     new = torch.log(torch.tensor([[1.25], [0.7]]))
     adv, mask = torch.tensor([2.0, -1.0]), torch.ones(2, 1, dtype=torch.bool)
     # cliprange 0.2 both ways: row 0 -> max(-2 * 1.25, -2 * 1.2) = -2.4; row 1 -> max(0.7, 0.8) = 0.8
-    loss, clipfrac, low, high = rloo.policy_loss(new, old, adv, mask, 0.2)
+    loss, clipfrac, low, high = rloo.policy_loss(new, old, adv, mask, 0.2, None, 1.0, "sequence_sum")
     assert loss.item() == pytest.approx((-2.4 + 0.8) / 2) and (clipfrac, low, high) == (1.0, 0.5, 0.5)
     # the upper bound at 1.3: row 0 is no longer clipped, -2 * 1.25 = -2.5; row 1 is unchanged
-    loss, clipfrac, low, high = rloo.policy_loss(new, old, adv, mask, 0.2, cliprange_high=0.3)
+    loss, clipfrac, low, high = rloo.policy_loss(new, old, adv, mask, 0.2, 0.3, 1.0, "sequence_sum")
     assert loss.item() == pytest.approx((-2.5 + 0.8) / 2) and (clipfrac, low, high) == (0.5, 0.5, 0.0)
 
 
@@ -172,27 +222,31 @@ def test_policy_loss_ratio_one_is_minus_mean_advantage():
     logp = -torch.rand(4, 6, generator=g)
     mask = torch.arange(6)[None, :] < torch.tensor([[6], [1], [3], [4]])
     adv = torch.randn(4, generator=g)
-    loss, clipfrac, _, _ = rloo.policy_loss(logp, logp, adv, mask, 0.2)
+    loss, clipfrac, _, _ = rloo.policy_loss(logp, logp, adv, mask, 0.2, None, 1.0, "sequence_sum")
     assert_close(loss, -adv.mean())
     assert clipfrac.item() == 0.0
     adv_t = torch.randn(4, 6, generator=g)
-    loss, clipfrac, _, _ = rloo.policy_loss(logp, logp, adv_t, mask, 0.2)
+    loss, clipfrac, _, _ = rloo.policy_loss(logp, logp, adv_t, mask, 0.2, None, 1.0, "token")
     assert_close(loss, -adv_t[mask].sum() / mask.sum())
     assert clipfrac.item() == 0.0
 
 
-@pytest.mark.parametrize("token_mode", [False, True])
-def test_policy_loss_ignores_garbage_at_masked_positions(token_mode):
+# GSPO's mean log-ratio is smaller: larger steps reach the clip
+@pytest.mark.parametrize(
+    "level, token_mode, step",
+    [("sequence_sum", False, 0.3), ("sequence", False, 1.0), ("token", False, 0.3), ("token", True, 0.3)],
+)
+def test_policy_loss_ignores_garbage_at_masked_positions(level, token_mode, step):
     g = torch.Generator().manual_seed(3)
     N, T = 5, 6
     mask = torch.arange(T)[None, :] < torch.tensor([[6], [1], [3], [4], [2]])
     old = -torch.rand(N, T, generator=g) * 2
-    new = old + torch.randn(N, T, generator=g) * 0.3  # some ratios leave [0.8, 1.2], some do not
+    new = old + torch.randn(N, T, generator=g) * step  # some ratios leave [0.8, 1.2], some do not
     adv = torch.randn(N, T, generator=g) if token_mode else torch.randn(N, generator=g)
 
     def run(new, old, adv):
         new = new.clone().requires_grad_()
-        loss, clipfrac, _, _ = rloo.policy_loss(new, old, adv, mask, 0.2)
+        loss, clipfrac, _, _ = rloo.policy_loss(new, old, adv, mask, 0.2, None, 1.0, level)
         loss.backward()
         return loss.detach(), clipfrac, new.grad
 
@@ -836,6 +890,10 @@ def run_main(tmp_path, **fields):
         (dict(vllm_importance_sampling_cap=0.0), "--vllm-importance-sampling-cap"),
         (dict(vllm_gpu_memory_utilization=math.nan), "--vllm-gpu-memory-utilization"),
         (dict(use_vllm=True), "--use-vllm: give --sft-model-path"),
+        (dict(chat_template_kwargs="{enable_thinking: false}"), "--chat-template-kwargs: give a JSON object"),
+        (dict(chat_template_kwargs='["enable_thinking"]'), "--chat-template-kwargs: give a JSON object"),
+        (dict(token_level_kl=True, importance_sampling_level="sequence"), "--importance-sampling-level"),
+        (dict(dynamic_sampling=True, max_sampling_rounds=0), "--max-sampling-rounds"),
         (dict(vllm_enable_sleep_mode=True), "--vllm-enable-sleep-mode: only with --use-vllm on GPUs"),
         # peft stops only when no name matches (the toy's head is lm_head in transformers 5)
         (dict(use_peft=True, lora_target_modules=["query_key_value", "embed_out"]), "embed_out matches no module"),
@@ -1009,6 +1067,7 @@ def test_dataset_directories_keep_every_column(tmp_path):
 
 def test_chat_prompts_use_the_chat_template(tmp_path):
     template = "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+    template += "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}"  # Qwen3's way
     tokenizer = char_tokenizer(bos="<s>", eos="</s>", pad="</s>", chat_template=template)
     lines = [json.dumps({"messages": [{"role": "user", "content": text}]}) for text in ["hi there", "x" * 300]]
     args = rloo.Args(dataset_text_field="messages", max_prompt_length=100)
@@ -1016,9 +1075,60 @@ def test_chat_prompts_use_the_chat_template(tmp_path):
     # the template rendered by hand: its own BOS, once; the 300-character prompt is over max_prompt_length
     expected = tokenizer("user: hi there\nassistant:", add_special_tokens=False)["input_ids"]
     assert prompts == [[tokenizer.bos_token_id] + expected] and rows == [json.loads(lines[0])]
+    # --chat-template-kwargs reach the template
+    args = dataclasses.replace(args, chat_template_kwargs='{"enable_thinking": false}')
+    prompts, _ = rloo.load_prompts(args, tokenizer, data_file(tmp_path, lines), "train", "--dataset-name")
+    thinking = tokenizer("user: hi there\nassistant:<think></think>", add_special_tokens=False)["input_ids"]
+    assert prompts == [[tokenizer.bos_token_id] + thinking]
     refusing = char_tokenizer(chat_template="{{ raise_exception('System role not supported') }}")
     with pytest.raises(rloo.ArgumentError, match="line 1: the chat template refused it.*System role not supported"):
         rloo.load_prompts(args, refusing, data_file(tmp_path, lines[:1]), "train", "--dataset-name")
+
+
+def text_hash(text):
+    """A number that differs between different texts, but for rare collisions."""
+    return sum((i + 1) * ord(c) for i, c in enumerate(text)) % 9973 / 100
+
+
+def odd_prompts_differ(prompts, completions):
+    """The k completions of a prompt of even length all score 0; the others score by their text."""
+    return [text_hash(c) if len(p) % 2 else 0.0 for p, c in zip(prompts, completions, strict=True)]
+
+
+def cat_prompts_differ(prompts, completions):
+    """Only the completions of the 16 prompts about a cat (of 256) score by their text; the others 0."""
+    return [text_hash(c) if "a cat" in p else 0.0 for p, c in zip(prompts, completions, strict=True)]
+
+
+# the run's order (seed 42) has B = 4 odd prompts after 4 rounds, and one about a cat in 6: the rounds run out
+@pytest.mark.parametrize("reward, rounds", [("odd_prompts_differ", 5), ("cat_prompts_differ", 6)])
+def test_dynamic_sampling_keeps_the_first_prompts_that_differ(tmp_path, monkeypatch, reward, rounds):
+    """sample_groups against the rule worked out from the run's prompt order: rounds of B = 4 prompts until B differ
+    (or the rounds run out, then the last round's others fill the batch, the last sampled first), in sampled order."""
+    monkeypatch.setattr(rloo.signal, "signal", lambda *args: None)  # setup's handlers stay out of pytest
+    args = rloo.Args(output_dir=str(tmp_path), reward_fn=[f"test_rloo:{reward}"], rloo_k=2, response_length=8)
+    args = dataclasses.replace(args, dynamic_sampling=True, max_sampling_rounds=rounds)
+    try:
+        run = rloo.setup(args)
+        queries, _, responses, response_mask, stopped, _, scores, rewards, sampling = rloo.sample_groups(run)
+    finally:
+        [lock.close() for lock in rloo.LOCKS]
+    B, prompts = 4, rloo.toy_prompts()
+    order = [i for draw in range(rounds) for i in rloo.batch_indices(args, 256, draw, 0)]
+    differs = [globals()[reward]([prompts[i]] * 2, ["a", "b"])[0] != 0 for i in order]
+    used = next((r for r in range(1, rounds + 1) if sum(differs[: r * B]) >= B), rounds)
+    chosen = [p for p in range(used * B) if differs[p]][:B]
+    chosen += [p for p in reversed(range((used - 1) * B, used * B)) if not differs[p]][: B - len(chosen)]
+    expected = [prompts[order[p]] for p in sorted(chosen)]
+    texts = run.tokenizer.batch_decode(queries, skip_special_tokens=True)
+    assert texts == expected * 2 and run.draws == used == sampling["sampling/rounds"]
+    assert sampling["sampling/zero_std"] == used * B - sum(differs[: used * B])
+    # each row's completion with its own score, mask and stop flag
+    completions = run.tokenizer.batch_decode(responses, skip_special_tokens=True)
+    assert scores.tolist() == pytest.approx(globals()[reward](texts, completions))
+    assert_close(rewards[reward], scores) and response_mask.all() and not stopped.any()
+    assert rloo.equal_groups(scores, 2).tolist() == [not differs[p] for p in sorted(chosen)]
+    assert (used, sum(differs[: used * B])) == {"odd_prompts_differ": (4, 5), "cat_prompts_differ": (6, 1)}[reward]
 
 
 def test_reward_functions_get_the_columns_they_name():
@@ -1276,6 +1386,10 @@ def columns(prompts, completions, answer, **kwargs):
     return log("columns", prompts, completions, [float(a % 5) for a in answer], answer=answer, **kwargs)
 
 constant = lambda prompts, completions: [1.0] * len(completions)
+
+def two_vowels(prompts, completions):
+    """Right or wrong: 1 for a completion with at least 2 lowercase vowels."""
+    return log("two_vowels", prompts, completions, [float(sum(c in "aeiou" for c in t) >= 2) for t in completions])
 
 def distinct(prompts, completions):
     """A different value for every completion of a call."""
@@ -2213,6 +2327,37 @@ def test_kl_coef_0_logs_no_kl_and_rewards_the_score_unclipped(workdir, tmp_path)
     assert "update 1/4" in proc.stdout and " kl " not in proc.stdout
 
 
+@slow
+def test_dynamic_sampling_keeps_zero3_ranks_in_step_and_resumes_bitwise(workdir, tmp_path):
+    """A right-or-wrong reward, k = 4, B = 2 per rank, at most 3 rounds: every rank samples as many rounds as the
+    rank that needs the most, trains on no prompt whose scores are all equal while the rounds allow, and a run
+    resumed from its checkpoint at update 2 ends as the uninterrupted one."""
+    flags = ["--reward-fn", "test_rewards:two_vowels", *SHORT, "--response-length", "24", "--rloo-k", "4"]
+    flags += ["--total-episodes", "96", "--save-steps", "3", "--dynamic-sampling", "--max-sampling-rounds", "3"]
+    launch(workdir, tmp_path / "full", *flags, backend="zero3", env={"RLOO_TEST_LOG": str(tmp_path / "calls")})
+    metrics = read_metrics(tmp_path / "full")
+    assert [m["episode"] for m in metrics] == [16, 32, 48, 64, 80, 96]  # an episode: a completion trained on
+    calls = [read_calls(tmp_path / "calls", "two_vowels", rank) for rank in (0, 1)]
+    assert len(calls[0]) == len(calls[1]) == sum(m["sampling/rounds"] for m in metrics)
+    needs = []  # per update, the rounds each rank needed for 2 prompts whose 4 scores differ (4: more than allowed)
+    for m in metrics:
+        rounds = int(m["sampling/rounds"])
+        groups = [[torch.tensor(calls[rank].pop(0)["scores"]).view(4, 2) for _ in range(rounds)] for rank in (0, 1)]
+        differ = [torch.cat([(g != g[0]).any(0) for g in rank_groups]).cumsum(0) for rank_groups in groups]
+        need = [next((r + 1 for r in range(rounds) if counts[2 * r + 1] >= 2), 4) for counts in differ]
+        assert rounds == min(max(need), 3) and m["sampling/prompts"] == rounds * 2 * 2
+        equal = sum(int((g == g[0]).all(0).sum()) for rank_groups in groups for g in rank_groups)
+        assert m["sampling/frac_reward_zero_std"] == pytest.approx(equal / (rounds * 4))
+        assert m["frac_reward_zero_std"] == 0.0 or max(need) > 3
+        needs.append(need)
+    assert any(a != b for a, b in needs) and any(max(need) > 1 for need in needs)  # the ranks' needs differed
+    # resumed from checkpoint 3: the copy's newer checkpoint goes, its metrics after update 3 are dropped
+    shutil.copytree(tmp_path / "full", tmp_path / "resumed")
+    shutil.rmtree(tmp_path / "resumed" / "checkpoint-6")
+    launch(workdir, tmp_path / "resumed", *flags, "--resume-from-checkpoint", "latest", backend="zero3")
+    assert_resumed_run_matches(tmp_path / "full", tmp_path / "resumed")
+
+
 # records the policy's gradients at its first optimizer step
 GRADIENTS = """
 import os
@@ -2231,7 +2376,7 @@ if os.environ.get("RLOO_TEST_GRADIENTS"):
 
 
 @slow
-@pytest.mark.parametrize("mode", ["--token-level-kl", "--no-token-level-kl"])
+@pytest.mark.parametrize("mode", ["--token-level-kl", "--no-token-level-kl", "--importance-sampling-level=token"])
 def test_gradient_accumulation_gives_the_gradient_of_one_micro_batch(workdir, tmp_path, mode):
     # one update of 8 completions that stop at different lengths, cut into 2 micro-batches of 4 or taken as one
     (workdir / "gradients").mkdir(exist_ok=True)
