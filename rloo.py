@@ -37,6 +37,7 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 import transformers
 import tyro
 from accelerate import Accelerator
@@ -159,8 +160,7 @@ def truncate_response(responses, stop_token_id, pad_token_id):
     (N, T). The mask comes from positions, not from comparing ids with the pad id, so that pad == eos works too."""
     T = responses.shape[1]
     positions = torch.arange(T, device=responses.device)
-    # each row's length: up to its first stop token, or T
-    lengths = torch.full_like(responses[:, 0], T)
+    lengths = torch.full_like(responses[:, 0], T)  # each row's length: up to its first stop token, or T
     if stop_token_id is not None:
         lengths = torch.where(responses == stop_token_id, positions + 1, T).min(1).values
     response_mask = positions < lengths[:, None]
@@ -216,7 +216,7 @@ def rloo_advantages(rewards, rloo_k):
     A_i = r_i - (sum_j r_j - r_i) / (k - 1), the sums over the k samples of the same prompt. The baseline leaves the
     sample itself out, so it does not depend on that sample's action and the gradient estimate stays unbiased."""
     rewards = rewards.view(rloo_k, -1)  # (k, B)
-    baseline = (rewards.sum(0, keepdim=True) - rewards) / (rloo_k - 1)
+    baseline = (rewards.sum(0) - rewards) / (rloo_k - 1)
     return (rewards - baseline).flatten()  # (k*B,)
 
 
@@ -259,19 +259,18 @@ def policy_loss(new_logprobs, old_logprobs, advantages, response_mask, cliprange
     clipped side is the larger, and of its two parts: ratio < 1 - eps with A < 0, ratio > 1 + eps_high with A > 0."""
     if cliprange_high is None:
         cliprange_high = cliprange
-    if advantages.dim() == 1:
-        advantages = advantages[:, None]  # (N, 1), for every token of the sequence
+    advantages = advantages.view(len(advantages), -1)  # (N,) as (N, 1), for every token of the sequence
     ratio = torch.exp(log_ratio(new_logprobs, old_logprobs, response_mask, level))  # (N, T) or (N, 1)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange_high)
     losses = torch.max(unclipped, clipped) * weights
-    is_clipped = clipped > unclipped
     clipped_low = (ratio < 1.0 - cliprange) & (advantages < 0)
     clipped_high = (ratio > 1.0 + cliprange_high) & (advantages > 0)
-    # a sequence's ratio: every sequence is a term
-    if level != "token":
+    if level != "token":  # a sequence's ratio: every sequence is a term
         response_mask = torch.ones_like(losses, dtype=torch.bool)
-    return tuple(masked_mean(values, response_mask) for values in (losses, is_clipped, clipped_low, clipped_high))
+    return tuple(
+        masked_mean(values, response_mask) for values in (losses, clipped > unclipped, clipped_low, clipped_high)
+    )
 
 
 def truncated_importance_weights(logprobs, sampler_logprobs, response_mask, cap, level):
@@ -289,9 +288,8 @@ def token_level_advantages(scores, kl, response_mask, kl_coef, rloo_k, whiten_re
     a constant per token, which the KL-to-go sums into a reward for length): the advantages times 1/std."""
     non_score = torch.where(response_mask, -kl_coef * kl, 0.0)  # (N, T)
     if whiten_rewards:
-        last = response_mask.sum(1) - 1
         token_rewards = non_score.clone()
-        token_rewards[torch.arange(len(scores), device=scores.device), last] += scores
+        token_rewards[torch.arange(len(scores), device=scores.device), response_mask.sum(1) - 1] += scores
         _, var = global_mean_var(token_rewards, response_mask)
         scale = torch.rsqrt(var + 1e-8)
         scores = scores * scale
@@ -309,8 +307,7 @@ def logprobs_from_logits(logits, tokens, temperature, with_entropy=False):
     if not with_entropy:
         return logprobs, torch.zeros_like(logprobs)
     with torch.no_grad():
-        entropy = logsumexp - (torch.softmax(logits, -1) * logits).sum(-1)
-    return logprobs, entropy
+        return logprobs, logsumexp - (torch.softmax(logits, -1) * logits).sum(-1)
 
 
 def sample_tokens(logits, temperature, generator=None, top_k=0, top_p=1.0):
@@ -328,21 +325,21 @@ def sample_tokens(logits, temperature, generator=None, top_k=0, top_p=1.0):
     if top_k > 0:
         kth_largest = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
         logits = logits.masked_fill(logits < kth_largest, -math.inf)
-    probabilities = torch.softmax(logits, dim=-1)  # (N, V)
+    probabilities = torch.softmax(logits, -1)  # (N, V)
     if top_p < 1.0:
         # a token is left out when the tokens more likely than it already reach top_p
         sorted_probabilities, order = probabilities.sort(-1, descending=True)
         left_out = sorted_probabilities.cumsum(-1) - sorted_probabilities >= top_p
-        left_out = torch.zeros_like(left_out).scatter(-1, order, left_out)  # back in vocabulary order
+        left_out = left_out.scatter(-1, order, left_out)  # back in vocabulary order
         probabilities = probabilities.masked_fill(left_out, 0.0)
     N, V = probabilities.shape
-    blocks = torch.nn.functional.pad(probabilities, (0, -V % 256)).view(N, -1, 256)  # (N, V / 256, 256)
+    blocks = F.pad(probabilities, (0, -V % 256)).view(N, -1, 256)  # (N, V / 256, 256)
     block = inverse_cdf(blocks.sum(-1).double(), generator)  # (N,)
     token = inverse_cdf(blocks[torch.arange(N, device=block.device), block].double(), generator)
     return (256 * block + token).clamp(max=V - 1)
 
 
-def inverse_cdf(weights, generator=None):
+def inverse_cdf(weights, generator):
     """One index per row of weights (N, n), drawn with probability weights / their sum: a uniform number located
     in the cumulative sums (of the weights' dtype). The sum renormalizes what top-k and top-p left."""
     cdf = weights.cumsum(-1)
@@ -361,8 +358,13 @@ def toy_tokenizer():
     vocab = {token: i for i, token in enumerate(tokens)}
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<|unk|>"))
     tokenizer.decoder = decoders.Fuse()  # no merges: one token per character
-    special = dict(pad_token="<|pad|>", eos_token="<|endoftext|>", unk_token="<|unk|>")
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, padding_side="left", **special)
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        padding_side="left",
+        pad_token="<|pad|>",
+        eos_token="<|endoftext|>",
+        unk_token="<|unk|>",
+    )
 
 
 def toy_policy(tokenizer, seed, hidden_size=64, intermediate_size=256):
@@ -408,8 +410,7 @@ def main(args: Args):
         train(run)
         save_final_model(run)
     finally:
-        # the output directory's lock, which a process that ends releases anyway
-        for lock in LOCKS:
+        for lock in LOCKS:  # the output directory's lock, which a process that ends releases anyway
             lock.close()
 
 
@@ -432,7 +433,6 @@ def train(run):
     one_pass = micro == args.local_batch_size and args.num_ppo_epochs == 1
     # the ratio's level; per token, a term of the loss is a token, else a sequence
     level = args.importance_sampling_level
-    token_terms = level == "token"
     # step 9's forward: log-probs and entropies of the policy, with gradients
     policy_logprobs = functools.partial(
         forward_logprobs, policy, temperature=args.temperature, with_entropy=True, k=rows_per_prompt
@@ -525,20 +525,18 @@ def train(run):
         # ---- the non-finite guard: a NaN or inf in a score (before clipping), an advantage, the policy's log-probs,
         # the KL (the reference's) or an importance weight (the engine's) skips this update on every rank
         checked = (raw_scores, advantages, torch.where(response_mask, old_logprobs, 0.0), kl, importance_weights)
-        finite = all_finite(run, checked)
+        if not all_finite(run, checked):  # no epochs at all when the guard skips the update
+            epoch_batches = []
 
         # ---- 9. the update: num_ppo_epochs passes over num_mini_batches mini-batches, one optimizer step each
         stats = dict.fromkeys(STAT_NAMES, 0.0)  # sums for the metrics, reduced over every rank in step 10
-        if not finite:  # no epochs at all when the guard skips the update
-            epoch_batches = []
         for batches in epoch_batches:
-            if token_terms:
+            if level == "token":
                 # the real tokens of each mini-batch, over every rank: token mode averages the loss over all of them,
                 # so a token weighs the same in a short micro-batch as in a long one (transformers' num_items_in_batch)
                 mini_batch_tokens = all_reduce(lengths[torch.cat(batches)].view(args.num_mini_batches, -1).sum(1))
             # a mini-batch is gradient_accumulation_steps consecutive micro-batches
             for index, micro_batch in enumerate(batches):
-                mb_old_logprobs = old_logprobs[micro_batch]
                 mb_response_mask = response_mask[micro_batch]
                 with accelerator.accumulate(policy):
                     # one pass: new_logprobs and entropy are step 5's forward, its graph still held
@@ -546,9 +544,10 @@ def train(run):
                         new_logprobs, entropy = policy_logprobs(
                             queries[micro_batch], query_mask[micro_batch], responses[micro_batch], mb_response_mask
                         )
-                    loss, clipfrac, clipfrac_low, clipfrac_high = policy_loss(
+                    # (loss, clipfrac, clipfrac_low, clipfrac_high)
+                    losses = policy_loss(
                         new_logprobs,
-                        mb_old_logprobs,
+                        old_logprobs[micro_batch],
                         advantages[micro_batch],
                         mb_response_mask,
                         args.cliprange,
@@ -558,29 +557,20 @@ def train(run):
                     )
                     # backward averages over the micro-batches and ranks: each gets its share of the tokens
                     loss_weight = 1.0
-                    if token_terms:
+                    if level == "token":
                         share = mb_response_mask.sum() / mini_batch_tokens[index // args.gradient_accumulation_steps]
                         loss_weight = share * args.gradient_accumulation_steps * args.world_size
-                    accelerator.backward(loss * loss_weight)
+                    accelerator.backward(losses[0] * loss_weight)
                     # at a mini-batch's last micro-batch: clip, and step unless the gradient is not finite
                     optimizer_step(run)
-                add_stats(
-                    stats,
-                    loss,
-                    (clipfrac, clipfrac_low, clipfrac_high),
-                    new_logprobs,
-                    mb_old_logprobs,
-                    entropy,
-                    mb_response_mask,
-                    level,
-                )
+                add_stats(stats, losses, new_logprobs, old_logprobs[micro_batch], entropy, mb_response_mask, level)
         t3 = now(device)
 
         # ---- 10. metrics (TRL's names), over real response tokens only, summed over every rank in one all-reduce
         stats |= {
             "kl": sequence_kl.sum(),
             # summed by their metrics' names: objective/*, completions/* and rewards/* are averaged over completions
-            "objective/entropy": (-old_logprobs[response_mask]).sum(),
+            "objective/entropy": -old_logprobs[response_mask].sum(),
             "objective/scores": raw_scores.sum(),
             "objective/rlhf_reward": rewards.sum(),
             "objective/scores_clipped_frac": clipped,
@@ -597,14 +587,9 @@ def train(run):
             vllm_diff = torch.where(response_mask, (old_logprobs - vllm_logprobs).abs(), 0.0)  # (k*B, T)
             stats["vllm_diff"] = vllm_diff.sum()
             stats["vllm_diff_max"] = vllm_diff.max()  # log_metrics takes its maximum over the ranks
-        # the sample table: this rank's first prompt, its k completions (rows 0, B, 2B, ...), the advantages trained
-        samples = dict(
-            prompt=queries[0],
-            completions=responses[::B],
-            scores=raw_scores[::B],
-            rewards=rewards[::B],
-            advantages=advantages.view(len(advantages), -1)[::B, 0],  # token mode: the first token's
-        )
+        # the sample table: this rank's first prompt, its k completions (rows 0, B, 2B, ...), their scores and rewards,
+        # the advantages trained
+        samples = (queries[0], responses[::B], raw_scores[::B], rewards[::B], advantages[::B])
         stopping = log_metrics(run, update, stats, lr, (t0, t1, t2, t3), samples)
         end_of_update(run, update, stopping)  # evaluation, checkpoint, a stop on a signal
         run.previous_end = t3
@@ -708,7 +693,7 @@ def generate(model, queries, query_mask, length, sample, stop_token_id, pad_toke
     logits, cache = prompt_forward(model, queries, query_mask, position_ids, k)
     logits = logits[:, -1].float()  # (N, V)
     attention_mask = query_mask
-    done = torch.zeros(len(queries), dtype=torch.bool, device=queries.device)
+    done = torch.zeros_like(queries[:, 0], dtype=torch.bool)
     tokens = []
     for step in range(length):
         if step > 0:
@@ -730,15 +715,20 @@ def prompt_chunks(n, k, size):
     """Row indices of n rows (k copies of n/k prompts, k-major) in chunks of about `size`: whole prompts, each
     chunk k-major too."""
     rows = torch.arange(n).view(k, -1)  # (k, B): row i*B + j is sample i of prompt j
-    return [chunk.flatten() for chunk in rows.split(max(1, size // k), dim=1)]
+    return [chunk.flatten() for chunk in rows.split(max(1, size // k), 1)]
 
 
 def prompt_forward(model, queries, query_mask, position_ids, k):
     """Each of the N/k prompts once, for rows that are k copies of them (k-major): the logits of every row's
     last position (N, 1, V), and a KV cache holding the prompts' keys and values, copied k times."""
     B = len(queries) // k
-    inputs = dict(input_ids=queries[:B], attention_mask=query_mask[:B], position_ids=position_ids[:B])
-    output = model(**inputs, use_cache=True, logits_to_keep=1)
+    output = model(
+        input_ids=queries[:B],
+        attention_mask=query_mask[:B],
+        position_ids=position_ids[:B],
+        use_cache=True,
+        logits_to_keep=1,
+    )
     # the cache of prompt j for rows j, B + j, 2B + j, ... (k = 1: unchanged)
     cache = getattr(output, CACHE)
     cache.reorder_cache(torch.arange(B, device=queries.device).repeat(k))
@@ -751,7 +741,6 @@ def forward_logprobs(model, queries, query_mask, responses, response_mask, tempe
     (model_logprobs). With k > 1 each prompt runs once (prompt_forward) and its k completions attend to
     its keys and values. Equals: logprobs_from_logits of one plain forward per row, at the sampled tokens
     (test_prompt_once_forward_is_a_plain_forward, test_logprobs_from_hidden_states_in_chunks_are_the_full_logits...)."""
-    width = responses.shape[1]
     # speed: the rows' own longest completion, not the rollout's; the padding columns after it get 0
     T = int(response_mask.sum(1).max())
     responses = responses[:, :T]
@@ -761,31 +750,30 @@ def forward_logprobs(model, queries, query_mask, responses, response_mask, tempe
     position_ids = (mask.cumsum(1) - 1).clamp(min=0)
     if k == 1:
         # one forward over prompt + completion; position p predicts the token at p + 1
-        inputs = dict(
-            input_ids=torch.cat([queries, responses], 1),
-            attention_mask=mask,
-            position_ids=position_ids,
-            logits_to_keep=T + 1,
-            use_cache=False,
-        )
+        inputs = {
+            "input_ids": torch.cat([queries, responses], 1),
+            "attention_mask": mask,
+            "position_ids": position_ids,
+            "logits_to_keep": T + 1,
+            "use_cache": False,
+        }
         logprobs = model_logprobs(model, inputs, responses, temperature, with_entropy)  # (N, T, 2)
     else:
         # the prompt's last position predicts the first token: (N, 1, V) logits
         first_logits, cache = prompt_forward(model, queries, query_mask, position_ids[:, :P], k)
-        first = logprobs_from_logits(first_logits, responses[:, :1], temperature, with_entropy)
-        logprobs = torch.stack(first, -1)  # (N, 1, 2)
+        logprobs = torch.stack(logprobs_from_logits(first_logits, responses[:, :1], temperature, with_entropy), -1)
     if k > 1 and T > 1:
         # each completion but its last token, attending to the cache of its prompt
-        inputs = dict(
-            input_ids=responses[:, :-1],
-            attention_mask=mask[:, :-1],
-            position_ids=position_ids[:, P:-1],
-            **{CACHE: cache},
-            use_cache=True,
-        )
+        inputs = {
+            "input_ids": responses[:, :-1],
+            "attention_mask": mask[:, :-1],
+            "position_ids": position_ids[:, P:-1],
+            CACHE: cache,
+            "use_cache": True,
+        }
         # the first token's log-probs (N, 1, 2), then the others' (N, T - 1, 2)
         logprobs = torch.cat([logprobs, model_logprobs(model, inputs, responses[:, 1:], temperature, with_entropy)], 1)
-    return torch.nn.functional.pad(logprobs, (0, 0, 0, width - T)).unbind(-1)  # (N, width) each
+    return F.pad(logprobs, (0, 0, 0, response_mask.shape[1] - T)).unbind(-1)  # (N, width) each
 
 
 def model_logprobs(model, inputs, tokens, temperature, with_entropy):
@@ -834,24 +822,26 @@ def head_logprobs(hidden, logits_forward, vocab_size, tokens, temperature, with_
     def chunk_logprobs(hidden_chunk, tokens_chunk):
         logits = logits_forward(hidden_chunk)  # (positions, V)
         split = zip(logits.split(positions_per_piece), tokens_chunk.split(positions_per_piece), strict=True)
-        pieces = [
-            torch.stack(logprobs_from_logits(piece, piece_tokens, temperature, with_entropy), -1)
-            for piece, piece_tokens in split
-        ]
-        return torch.cat(pieces)  # (positions, 2)
+        return torch.cat(  # (positions, 2)
+            [
+                torch.stack(logprobs_from_logits(piece, piece_tokens, temperature, with_entropy), -1)
+                for piece, piece_tokens in split
+            ]
+        )
 
     # speed: one chunk keeps its logits for the backward, where several would recompute them: one head matmul
     # fewer, and no more memory (the backward holds them either way); the same numbers
     if N * T <= positions_per_chunk:
         return chunk_logprobs(hidden, tokens).view(N, T, 2)
     split = zip(hidden.split(positions_per_chunk), tokens.split(positions_per_chunk), strict=True)
-    chunks = [
-        torch.utils.checkpoint.checkpoint(
-            chunk_logprobs, hidden_chunk, tokens_chunk, use_reentrant=False, preserve_rng_state=False
-        )
-        for hidden_chunk, tokens_chunk in split
-    ]
-    return torch.cat(chunks).view(N, T, 2)
+    return torch.cat(
+        [
+            torch.utils.checkpoint.checkpoint(
+                chunk_logprobs, hidden_chunk, tokens_chunk, use_reentrant=False, preserve_rng_state=False
+            )
+            for hidden_chunk, tokens_chunk in split
+        ]
+    ).view(N, T, 2)
 
 
 def batched_logprobs(model, queries, query_mask, responses, response_mask, temperature, batches, k=1):
@@ -886,7 +876,7 @@ def float32_head(linear):
     def forward(hidden):
         bias = None if linear.bias is None else linear.bias.float()
         with torch.autocast(hidden.device.type, enabled=False):
-            return torch.nn.functional.linear(hidden.float(), linear.weight.float(), bias)
+            return F.linear(hidden.float(), linear.weight.float(), bias)
 
     linear.forward = forward
 
@@ -934,8 +924,7 @@ def generation_context(run):
         return
     import deepspeed
 
-    # ZeRO-3's manager of the policy's sharded weights
-    offload = run.policy.optimizer.parameter_offload
+    offload = run.policy.optimizer.parameter_offload  # ZeRO-3's manager of the policy's sharded weights
     module = offload.module
     start_of_forward = module._forward_pre_hooks[offload.fwd_pre_hook.id]
     with deepspeed.zero.GatheredParameters(list(run.policy.parameters())):
@@ -982,7 +971,6 @@ def vllm_generate(run, queries, query_mask, temperature, generator, k):
     ]
     # the engine seeds a prompt's k samples seed, seed + 1, ..., seed + k - 1
     seeds = k * torch.randint(2**31 // k, (B,), generator=generator, device=queries.device)
-    stop_token_ids = [] if args.stop_token_id is None else [args.stop_token_id]
     params = [
         SamplingParams(
             n=k,
@@ -992,7 +980,7 @@ def vllm_generate(run, queries, query_mask, temperature, generator, k):
             top_p=args.top_p,
             max_tokens=args.response_length,
             # the stop token only, not the model's own eos unless it is that
-            stop_token_ids=stop_token_ids,
+            stop_token_ids=[] if args.stop_token_id is None else [args.stop_token_id],
             ignore_eos=True,
             # the sampled token's log-prob, in a flat list
             logprobs=0,
@@ -1037,13 +1025,12 @@ def sync_vllm_weights(run):
             for name, param in layer:
                 if ".lora_" in name:
                     continue
-                value = param
                 # LoRA: the base weight plus its adapter's scale * B A
                 if name.endswith(".base_layer.weight"):
                     lora_layer = model.get_submodule(name.removesuffix(".base_layer.weight"))
-                    value = param + lora_layer.get_delta_weight("default")
+                    param = param + lora_layer.get_delta_weight("default")
                 # a transformers checkpoint's names: without peft's prefix and base_layer
-                weights.append((name.removeprefix("base_model.model.").replace(".base_layer", ""), value))
+                weights.append((name.removeprefix("base_model.model.").replace(".base_layer", ""), param))
             run.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
     # the engine's cached prompt blocks hold keys and values of the old weights
     run.llm.reset_prefix_cache()
@@ -1106,19 +1093,18 @@ def score_completions(run, rows, queries, query_mask, responses, response_mask, 
                     f"{source.flag}: a prompt + completion of {input_ids.shape[1]} of its tokens is beyond its "
                     f"{positions} positions; lower --response-length or --max-prompt-length"
                 )
-        values = []
         size = args.local_rollout_forward_batch_size
+        chunks = [slice(start, start + size) for start in range(0, len(input_ids), size)]
         with run.accelerator.autocast():
-            for start in range(0, len(input_ids), size):
-                chunk = slice(start, start + size)
-                reward = get_reward(
-                    model, input_ids[chunk], attention_mask[chunk], last_index[chunk], token_type_ids[chunk]
-                )
-                values.append(reward)
-        rewards[source.name] = torch.cat(values)
+            rewards[source.name] = torch.cat(
+                [
+                    get_reward(model, input_ids[chunk], attention_mask[chunk], last_index[chunk], token_type_ids[chunk])
+                    for chunk in chunks
+                ]
+            )
     scores = sum(source.weight * rewards[source.name] for source in run.reward_sources)
     if args.missing_eos_penalty is not None:  # resolve_args made sure a stop token is set
-        scores = scores - args.missing_eos_penalty * (~stopped).float()
+        scores = scores - args.missing_eos_penalty * ~stopped
     return scores, rewards
 
 
@@ -1134,18 +1120,16 @@ def get_reward(reward_model, input_ids, attention_mask, last_index, token_type_i
     backbone = getattr(reward_model, reward_model.base_model_prefix)
     hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
     rows = torch.arange(len(input_ids), device=input_ids.device)
-    last_hidden = hidden.last_hidden_state[rows, last_index.to(rows.device)]
-    return reward_model.score(last_hidden).squeeze(-1).float()
+    return reward_model.score(hidden.last_hidden_state[rows, last_index.to(rows.device)]).squeeze(-1).float()
 
 
 def call_reward_fn(source, rows, completions, text_field):
     """fn(prompts, completions, **columns): the prompts as the dataset holds them (text, or chat messages),
     and as keyword lists aligned with the completions the dataset's other columns that fn names (all of them,
     to a **kwargs)."""
-    parameters = inspect.signature(source.fn).parameters.values()
-    takes_all = any(p.kind == p.VAR_KEYWORD for p in parameters)
-    named = {p.name for p in parameters}
-    names = [name for name in rows[0] if name != text_field and (takes_all or name in named)]
+    parameters = inspect.signature(source.fn).parameters
+    takes_all = any(p.kind == p.VAR_KEYWORD for p in parameters.values())
+    names = [name for name in rows[0] if name != text_field and (takes_all or name in parameters)]
     columns = {name: [row.get(name) for row in rows] for name in names}
     scores = source.fn([row[text_field] for row in rows], completions, **columns)
     if not hasattr(scores, "__len__") or len(scores) != len(completions):
@@ -1216,11 +1200,11 @@ class Run:
     phase_totals: dict = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
 
 
-PHASES = ("generation", "scoring", "training", "other")
+PHASES = "generation scoring training other".split()
 PER_COMPLETION = ("objective/", "completions/", "rewards/")  # the metrics averaged over completions
 # add_stats' sums by name (0.0 at each update's start): first the metrics averaged over terms (sequences or tokens)
 PER_TERM = "loss/policy_avg policy/clipfrac_avg policy/clipfrac_low policy/clipfrac_high policy/approxkl_avg".split()
-STAT_NAMES = PER_TERM + ["ratio", "ratio_sq", "entropy", "terms", "tokens"]
+STAT_NAMES = PER_TERM + "ratio ratio_sq entropy terms tokens".split()
 # the lock this process holds on its output directory (an open file), released when main() ends
 LOCKS = []
 
@@ -1246,7 +1230,6 @@ def setup(args):
     prompts, rows = load_prompts(args, tokenizer, args.dataset_name, args.dataset_split, "--dataset-name")
     saved = read_checkpoint(args)
     resolve_args(args, int(os.environ.get("WORLD_SIZE", 1)), tokenizer, len(prompts), saved)
-    # the first num_eval_prompts held-out prompts, and their rows
     eval_prompts = []
     eval_rows = []
     if args.eval_steps:
@@ -1269,12 +1252,12 @@ def setup(args):
     if accelerator.device.type == "cpu":
         torch.set_num_threads(args.cpu_threads)
     longest_prompt = max(map(len, prompts + eval_prompts))
-    policy, ref_policy, reward_model = load_models(args, tokenizer, longest_prompt, accelerator.mixed_precision != "no")
+    policy, ref, reward_model = load_models(args, tokenizer, longest_prompt, accelerator.mixed_precision != "no")
     trainable = [p for p in policy.parameters() if p.requires_grad]  # with LoRA, the adapters only
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, eps=1e-8, weight_decay=0.0, fused=True)
     policy, optimizer = accelerator.prepare(policy, optimizer)
-    if ref_policy is not None:
-        ref_policy = prepare_frozen(ref_policy, accelerator)
+    if ref is not None:
+        ref = prepare_frozen(ref, accelerator)
     if reward_model is not None:  # the reward model is the first source
         reward_model.model = prepare_frozen(reward_model.model, accelerator)
         sources.insert(0, reward_model)
@@ -1282,30 +1265,16 @@ def setup(args):
     if args.reward_weights is not None:
         for source, weight in zip(sources, args.reward_weights, strict=True):
             source.weight = weight
-    # before the random generators are seeded or restored: the engine seeds them as it starts
-    llm = None
-    if args.use_vllm:
-        llm = start_vllm(args, accelerator, accelerator.unwrap_model(policy), longest_prompt + args.response_length)
     run = Run(
-        args,
-        accelerator,
-        tokenizer,
-        prompts,
-        rows,
-        policy,
-        ref_policy,
-        optimizer,
-        sources,
-        zero3,
-        eval_prompts,
-        eval_rows,
-        llm,
+        args, accelerator, tokenizer, prompts, rows, policy, ref, optimizer, sources, zero3, eval_prompts, eval_rows
     )
+    # before the random generators are seeded or restored: the engine seeds them as it starts
+    if args.use_vllm:
+        run.llm = start_vllm(args, accelerator, accelerator.unwrap_model(policy), longest_prompt + args.response_length)
     # no tracker: nothing to do, as for log()
     accelerator.init_trackers(args.exp_name, config=asdict(args))
     resume_or_seed(run, saved)
-    # preemption: finish the update, checkpoint, exit
-    for signum in (signal.SIGTERM, signal.SIGINT):
+    for signum in (signal.SIGTERM, signal.SIGINT):  # preemption: finish the update, checkpoint, exit
         signal.signal(signum, functools.partial(on_stop_signal, run))
     # the header line; under ZeRO-3 a rank holds a shard of each parameter, whose whole size is ds_numel
     sizes = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for p in policy.parameters()]
@@ -1330,13 +1299,12 @@ def on_stop_signal(run, number, frame):
 
 
 # the lowest value of each numeric flag (None, where a flag allows it, means "not set"), and those above 0
-AT_LEAST_1 = """response_length max_prompt_length per_device_train_batch_size gradient_accumulation_steps
-lora_r num_mini_batches num_ppo_epochs save_steps local_rollout_forward_batch_size save_total_limit
-cpu_threads max_sampling_rounds"""
-AT_LEAST_0 = """seed stop_token_id kl_coef max_grad_norm num_sample_generations eval_steps eval_temperature
-lora_dropout top_k"""
-AT_LEAST = dict(rloo_k=2, total_episodes=1, num_eval_prompts=1, missing_eos_penalty=0, learning_rate=0)
-AT_LEAST |= dict.fromkeys(AT_LEAST_1.split(), 1) | dict.fromkeys(AT_LEAST_0.split(), 0)
+AT_LEAST_1 = """total_episodes num_eval_prompts response_length max_prompt_length per_device_train_batch_size
+gradient_accumulation_steps lora_r num_mini_batches num_ppo_epochs save_steps local_rollout_forward_batch_size
+save_total_limit cpu_threads max_sampling_rounds"""
+AT_LEAST_0 = """missing_eos_penalty learning_rate seed stop_token_id kl_coef max_grad_norm num_sample_generations
+eval_steps eval_temperature lora_dropout top_k"""
+AT_LEAST = dict(rloo_k=2) | dict.fromkeys(AT_LEAST_1.split(), 1) | dict.fromkeys(AT_LEAST_0.split(), 0)
 ABOVE_0 = """temperature cliprange cliprange_high reward_clip_range num_train_epochs lora_alpha top_p
 vllm_gpu_memory_utilization vllm_importance_sampling_cap""".split()
 
@@ -1349,8 +1317,7 @@ max_prompt_length token_level_kl use_peft lora_r lora_alpha lora_target_modules 
 
 def resolve_args(args, world_size, tokenizer, num_prompts, saved=None):
     """The one place where the flags become the run's settings, each checked. Nothing else changes `args`."""
-    # a NaN fails every comparison
-    for name, lowest in AT_LEAST.items():
+    for name, lowest in AT_LEAST.items():  # a NaN fails every comparison
         value = getattr(args, name)
         if value is not None and not lowest <= value < math.inf:
             raise ArgumentError(f"--{name.replace('_', '-')} must be a finite number at least {lowest} (got {value})")
@@ -1363,29 +1330,28 @@ def resolve_args(args, world_size, tokenizer, num_prompts, saved=None):
     if args.reward_weights is not None and len(args.reward_weights) != sources:
         raise ArgumentError(f"--reward-weights: give {sources}, the reward model's first, then each --reward-fn's")
     # None: each mode's ratio as before the flag: per token with --token-level-kl, else the sequences'
-    if args.importance_sampling_level is None and args.token_level_kl:
-        args.importance_sampling_level = "token"
     if args.importance_sampling_level is None:
-        args.importance_sampling_level = "sequence_sum"
+        args.importance_sampling_level = "token" if args.token_level_kl else "sequence_sum"
     if args.token_level_kl and args.importance_sampling_level != "token":
         raise ArgumentError("--importance-sampling-level: --token-level-kl's per-token advantages need token")
     if args.top_p > 1:
         raise ArgumentError(f"--top-p must be at most 1 (got {args.top_p})")
-    no_stop_token = args.stop_token is None and args.stop_token_id is None
-    if args.missing_eos_penalty is not None and no_stop_token:
-        raise ArgumentError("--missing-eos-penalty needs a stop token: add --stop-token eos or --stop-token-id")
-    if args.mask_truncated_completions and no_stop_token:
-        fix = "add --stop-token eos or --stop-token-id: without one, every completion is truncated"
-        raise ArgumentError(f"--mask-truncated-completions needs a stop token: {fix}")
-    if args.use_vllm and not args.sft_model_path:
-        raise ArgumentError("--use-vllm: give --sft-model-path (the toy policy exists in memory only)")
-    # the engine holds a whole copy of the weights, and samples from nothing else
-    if args.use_vllm and not args.ds3_gather_for_generation:
-        raise ArgumentError("--no-ds3-gather-for-generation: --use-vllm samples a whole copy; drop one flag")
-    # the engine's log-probs are over the tokens top-k and top-p kept: a ratio to the policy's is the filter's
-    if args.use_vllm and args.vllm_importance_sampling_correction and (args.top_k or args.top_p < 1):
-        fix = "add --no-vllm-importance-sampling-correction"
-        raise ArgumentError(f"--top-k, --top-p: the engine's log-probs are over the tokens they keep; {fix}")
+    if args.stop_token is None and args.stop_token_id is None:
+        if args.missing_eos_penalty is not None:
+            raise ArgumentError("--missing-eos-penalty needs a stop token: add --stop-token eos or --stop-token-id")
+        if args.mask_truncated_completions:
+            fix = "add --stop-token eos or --stop-token-id: without one, every completion is truncated"
+            raise ArgumentError(f"--mask-truncated-completions needs a stop token: {fix}")
+    if args.use_vllm:
+        if not args.sft_model_path:
+            raise ArgumentError("--use-vllm: give --sft-model-path (the toy policy exists in memory only)")
+        # the engine holds a whole copy of the weights, and samples from nothing else
+        if not args.ds3_gather_for_generation:
+            raise ArgumentError("--no-ds3-gather-for-generation: --use-vllm samples a whole copy; drop one flag")
+        # the engine's log-probs are over the tokens top-k and top-p kept: a ratio to the policy's is the filter's
+        if args.vllm_importance_sampling_correction and (args.top_k or args.top_p < 1):
+            fix = "add --no-vllm-importance-sampling-correction"
+            raise ArgumentError(f"--top-k, --top-p: the engine's log-probs are over the tokens they keep; {fix}")
     if args.vllm_enable_sleep_mode and not (args.use_vllm and torch.cuda.is_available()):
         raise ArgumentError("--vllm-enable-sleep-mode: only with --use-vllm on GPUs")
     if args.use_vllm and importlib.util.find_spec("vllm") is None:
@@ -1396,8 +1362,7 @@ def resolve_args(args, world_size, tokenizer, num_prompts, saved=None):
         raise ArgumentError(f"--stop-token-id {args.stop_token_id} is not in the policy's {len(tokenizer)} tokens")
     if args.seed + 100003 * (world_size - 1) >= 2**32:
         raise ArgumentError(f"--seed must be below 2**32 - 100003 x (processes - 1) (got {args.seed})")
-    # a resumed run keeps the checkpoint's length
-    if saved is not None and args.total_episodes is None:
+    if saved is not None and args.total_episodes is None:  # a resumed run keeps the checkpoint's length
         args.total_episodes = saved["args"]["total_episodes"]
     args.run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
     if args.output_dir is None:
@@ -1426,13 +1391,13 @@ def resolve_args(args, world_size, tokenizer, num_prompts, saved=None):
         raise ArgumentError(f"--total-episodes {args.total_episodes} is less than one update ({args.batch_size})")
     if saved is None:
         return
-    path = saved["path"]
     if saved["world_size"] != world_size:
-        raise ArgumentError(f"{path} was written by {saved['world_size']} processes; launch that many")
+        raise ArgumentError(f"{saved['path']} was written by {saved['world_size']} processes; launch that many")
     for name in RESUME_FIXED.split():
         if saved["args"][name] != getattr(args, name):
-            flag = f"--{name.replace('_', '-')}"
-            raise ArgumentError(f"{path} was written with {flag} {saved['args'][name]}; use the same")
+            raise ArgumentError(
+                f"{saved['path']} was written with --{name.replace('_', '-')} {saved['args'][name]}; use the same"
+            )
 
 
 def load_reward_fn(spec, rows, args):
@@ -1476,16 +1441,14 @@ def load_prompts(args, tokenizer, path, split, flag, limit=None):
     if path is None:
         entries = [(f"toy prompt {n}", {field_name: text}) for n, text in enumerate(toy_prompts())]
     elif path.endswith(".jsonl"):
-        # read directly: no need for the datasets library (and its memory) here
-        place = "the file"
+        place = "the file"  # read directly: no need for the datasets library (and its memory) here
         try:
             with open(path, encoding="utf-8") as f:
                 for number, line in enumerate(f, 1):
                     place = f"line {number}"
                     if line.strip():
                         entries.append((place, json.loads(line)))
-        except (OSError, ValueError) as error:
-            # no such file, not UTF-8 (a ValueError too), not JSON
+        except (OSError, ValueError) as error:  # no such file, not UTF-8 (a ValueError too), not JSON
             raise ArgumentError(f"{flag} {path}, {place}: {error}") from None
     else:
         import datasets
@@ -1524,9 +1487,10 @@ def load_prompts(args, tokenizer, path, split, flag, limit=None):
             kept.append(row)
     if not prompts:
         raise ArgumentError(f"{flag} {path}: no prompt within --max-prompt-length {args.max_prompt_length} tokens")
-    left_out = len(entries) - len(kept)
-    if left_out and os.environ.get("RANK", "0") == "0":
-        print(f"rloo.py: {flag}: {left_out} of {len(entries)} prompts left out (over --max-prompt-length)")
+    if len(kept) < len(entries) and os.environ.get("RANK", "0") == "0":
+        print(
+            f"rloo.py: {flag}: {len(entries) - len(kept)} of {len(entries)} prompts left out (over --max-prompt-length)"
+        )
     return prompts[:limit], kept[:limit]
 
 
@@ -1543,9 +1507,7 @@ def load_models(args, tokenizer, longest_prompt, float32_heads):
     policy = load_policy()
     # the reference is loaded a second time rather than copied (LoRA: none, the policy with its adapters off;
     # kl_coef 0: none at all)
-    ref_policy = None
-    if not args.use_peft and args.kl_coef > 0:
-        ref_policy = load_policy()
+    ref_policy = load_policy() if not args.use_peft and args.kl_coef > 0 else None
     if args.use_peft:
         from peft import LoraConfig, get_peft_model
 
@@ -1613,8 +1575,7 @@ def load_models(args, tokenizer, longest_prompt, float32_heads):
         # activation_checkpointing_enable from transformers 5.23; gradient_checkpointing_enable before (deprecated then)
         enable = getattr(policy, "activation_checkpointing_enable", None) or policy.gradient_checkpointing_enable
         enable({"use_reentrant": False})
-        # the frozen embeddings' output must carry gradients through
-        if args.use_peft:
+        if args.use_peft:  # the frozen embeddings' output must carry gradients through
             policy.enable_input_require_grads()
     return policy, ref_policy, reward
 
@@ -1632,10 +1593,6 @@ def start_vllm(args, accelerator, policy, max_model_len):
     import vllm
 
     classes = {type(module): type(module).__call__ for module in policy.modules()}
-    # several processes: each its own engine in the trainer's process group, as TRL's colocate mode
-    backend = None
-    if accelerator.num_processes > 1:
-        backend = "external_launcher"
     try:
         llm = vllm.LLM(
             model=args.sft_model_path,
@@ -1643,7 +1600,8 @@ def start_vllm(args, accelerator, policy, max_model_len):
             max_model_len=max_model_len,
             gpu_memory_utilization=args.vllm_gpu_memory_utilization,
             enable_sleep_mode=args.vllm_enable_sleep_mode,
-            distributed_executor_backend=backend,
+            # several processes: each its own engine in the trainer's process group, as TRL's colocate mode
+            distributed_executor_backend="external_launcher" if accelerator.num_processes > 1 else None,
             logprobs_mode="processed_logprobs",
             enforce_eager=accelerator.device.type == "cpu",
             trust_remote_code=args.trust_remote_code,
@@ -1674,26 +1632,23 @@ def make_accelerator(args):
     accelerator = Accelerator(
         log_with=None if args.report_to == "none" else args.report_to,
         project_dir=args.output_dir,
-        kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if cpu_group else [],
+        kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] * cpu_group,
         # not Apple's GPU (mps), which accelerate would pick: rloo.py has never run there (no float64, other
         # kernels); the header line then says "CPU threads"
         cpu=torch.backends.mps.is_available(),
         gradient_accumulation_steps=args.gradient_accumulation_steps,
     )
-    kind = accelerator.distributed_type
     processes = accelerator.num_processes
-    if processes != args.world_size or (cpu_group and kind == "NO"):
+    if processes != args.world_size or (cpu_group and accelerator.distributed_type == "NO"):
         fix = "launch with --multi_gpu (and ACCELERATE_USE_CPU=true without CUDA) or a DeepSpeed config"
         raise ArgumentError(f"{args.world_size} processes were launched, but accelerate set up {processes}: {fix}")
-    if kind != "DEEPSPEED":
+    if accelerator.distributed_type != "DEEPSPEED":
         return accelerator, False
-    micro = args.per_device_train_batch_size
-    steps = args.gradient_accumulation_steps
     ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
     ds_config |= {
-        "train_micro_batch_size_per_gpu": micro,
-        "gradient_accumulation_steps": steps,
-        "train_batch_size": micro * steps * processes,
+        "train_micro_batch_size_per_gpu": args.per_device_train_batch_size,
+        "gradient_accumulation_steps": args.gradient_accumulation_steps,
+        "train_batch_size": args.per_device_train_batch_size * args.gradient_accumulation_steps * processes,
         "gradient_clipping": args.max_grad_norm,
         # not bf16: micro-batches' gradients add up in float32
         "data_types": {"grad_accum_dtype": "fp32"},
@@ -1726,8 +1681,7 @@ def prepare_output_dir(args, saved):
     out = args.output_dir
     try:
         os.makedirs(out, exist_ok=True)
-        # locked until this process ends, however it ends
-        lock = open(os.path.join(out, ".lock"), "a+")
+        lock = open(os.path.join(out, ".lock"), "a+")  # locked until this process ends, however it ends
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         lock.seek(0)
@@ -1738,13 +1692,14 @@ def prepare_output_dir(args, saved):
     print(os.getpid(), file=lock, flush=True)  # for the message of a run refused meanwhile
     LOCKS.append(lock)
     checkpoints = checkpoint_dirs(out)
-    holds_run = bool(checkpoints) or os.path.exists(os.path.join(out, "metrics.jsonl"))
+    holds_run = checkpoints or os.path.exists(os.path.join(out, "metrics.jsonl"))
     own = saved is not None and os.path.samefile(os.path.dirname(saved["path"]), out)
-    if holds_run and saved is None and not args.overwrite_output_dir:
-        fix = "--resume-from-checkpoint latest, --overwrite-output-dir, or another --output-dir"
-        raise ArgumentError(f"--output-dir {out} holds a run: {fix}")
-    if holds_run and saved is not None and not own:
-        raise ArgumentError(f"--output-dir {out} holds another run; resume {saved['path']} into an empty one")
+    if holds_run and not own:
+        if saved is not None:
+            raise ArgumentError(f"--output-dir {out} holds another run; resume {saved['path']} into an empty one")
+        if not args.overwrite_output_dir:
+            fix = "--resume-from-checkpoint latest, --overwrite-output-dir, or another --output-dir"
+            raise ArgumentError(f"--output-dir {out} holds a run: {fix}")
     if own:
         newer = [os.path.basename(path) for path in checkpoints if int(path.split("-")[-1]) > saved["update"]]
         if newer:
@@ -1790,25 +1745,23 @@ def read_checkpoint(args):
 
 def resume_or_seed(run, saved):
     """Resume (weights, optimizer, each rank's random generators: accelerate's load_state), or seed a rank."""
-    accelerator = run.accelerator
-    rank = accelerator.process_index
+    rank = run.accelerator.process_index
     if saved is None:
         # each (seed, rank) its own stream, far from the next seed's: seed 42 rank 1 is not seed 43; python's
         # and numpy's too, for reward functions
         set_seed(run.args.seed + 100003 * rank)
         return
     path = saved["path"]
-    # load_state skips random states it cannot read, without a word: read them here first
-    try:
+    try:  # load_state skips random states it cannot read, without a word: read them here first
         torch.load(os.path.join(path, f"random_states_{rank}.pkl"), weights_only=False)
-        accelerator.load_state(path)
+        run.accelerator.load_state(path)
     except Exception as error:
         raise ArgumentError(f"--resume-from-checkpoint {path}: cannot load it ({error!r:.160})") from None
     run.start_update = saved["update"]
     run.history = saved["score_history"]
     run.skipped_steps = saved["skipped_steps"]
     run.consecutive_skips = saved["consecutive_skips"]
-    run.draws = saved["draws"]
+    run.draws = saved.get("draws", saved["update"])  # a checkpoint from before --dynamic-sampling: one a update
 
 
 def batch_indices(args, num_prompts, draw, rank):
@@ -1816,7 +1769,6 @@ def batch_indices(args, num_prompts, draw, rank):
     pass over the prompts."""
     B = args.local_dataloader_batch_size
     batches_per_pass = num_prompts // (B * args.world_size)
-    # one order per (seed, pass)
     generator = torch.Generator().manual_seed(args.seed * 100003 + draw // batches_per_pass)
     start = ((draw % batches_per_pass) * args.world_size + rank) * B
     return torch.randperm(num_prompts, generator=generator)[start : start + B].tolist()
@@ -1843,16 +1795,17 @@ def optimizer_step(run):
 
 
 @torch.no_grad()
-def add_stats(stats, loss, clipfracs, new_logprobs, old_logprobs, entropy, mask, level):
+def add_stats(stats, losses, new_logprobs, old_logprobs, entropy, mask, level):
     """Add one micro-batch to the metric sums, by name; a "term" is a token, or with a sequence's ratio (`level`) a
-    sequence. clipfracs: policy_loss's fractions of clipped terms, in all, at the lower and at the upper bound."""
+    sequence. losses: policy_loss's loss and fractions of clipped terms, in all, at the lower and at the upper bound."""
     ratio_log = log_ratio(new_logprobs, old_logprobs, mask, level)
-    term_mask = mask if level == "token" else torch.ones_like(ratio_log, dtype=torch.bool)
-    terms = term_mask.sum()
-    ratio = ratio_log.exp()[term_mask]
-    for name, value in zip(PER_TERM[:4], (loss,) + clipfracs, strict=True):  # the four of policy_loss
+    if level == "token":
+        ratio_log = ratio_log[mask]  # the real tokens'
+    ratio = ratio_log.exp()
+    terms = ratio.numel()
+    for name, value in zip(PER_TERM[:4], losses, strict=True):  # the four of policy_loss
         stats[name] += value * terms
-    stats["policy/approxkl_avg"] += 0.5 * (ratio_log[term_mask] ** 2).sum()
+    stats["policy/approxkl_avg"] += 0.5 * (ratio_log**2).sum()
     stats["ratio"] += ratio.sum()
     stats["ratio_sq"] += (ratio**2).sum()
     stats["entropy"] += entropy[mask].sum()
@@ -1865,15 +1818,13 @@ def log_metrics(run, update, stats, lr, times, samples):
     whether any got a stop signal: returned), to metrics.jsonl, the tracker and the terminal."""
     args = run.args
     accelerator = run.accelerator
-    device = accelerator.device
     done = update + 1
     stats["stop_signals"] = len(run.stop_signals)
-    values = torch.stack([torch.as_tensor(v, dtype=torch.float, device=device) for v in stats.values()])
+    values = torch.stack([torch.as_tensor(v, dtype=torch.float, device=accelerator.device) for v in stats.values()])
     totals = dict(zip(stats, all_reduce(values).tolist(), strict=True))
     n = args.batch_size
     terms = max(totals["terms"], 1.0)
     generated = totals["completions/mean_length"]  # its sum: the tokens generated, over every rank
-    cut_off = totals["completions/clipped_ratio"]  # its sum: the completions without the stop token
     elapsed = time.perf_counter() - run.start_time
     t0, t1, t2, t3 = times
     # where this update's time went; "other" is the time since the previous update's training: metrics,
@@ -1895,13 +1846,13 @@ def log_metrics(run, update, stats, lr, times, samples):
         "val/ratio": mean_ratio,
         "val/ratio_var": max(totals["ratio_sq"] / terms - mean_ratio**2, 0.0),
         "val/num_eos_tokens": totals["eos"],
-        "completions/mean_terminated_length": totals["terminated_tokens"] / max(n - cut_off, 1.0),
-        # of the prompts (n / k of them)
-        "frac_reward_zero_std": totals["zero_std"] * args.rloo_k / n,
+        "completions/mean_terminated_length": totals["terminated_tokens"]
+        / max(n - totals["completions/clipped_ratio"], 1.0),
+        "frac_reward_zero_std": totals["zero_std"] * args.rloo_k / n,  # of the prompts (n / k of them)
         "train/skipped_steps": run.skipped_steps,
         **{f"time/{phase}": seconds for phase, seconds in phases.items()},
         "time/tokens_per_second": generated / max(t1 - t0, 1e-9),
-        "time/peak_memory_mib": peak_memory_mib(device),  # this rank's
+        "time/peak_memory_mib": peak_memory_mib(accelerator.device),  # this rank's
     }
     # at kl_coef 0 no reference runs: a KL of 0 would claim a measurement that was not made
     if args.kl_coef > 0:
@@ -1937,21 +1888,23 @@ def log_metrics(run, update, stats, lr, times, samples):
 def print_samples(tokenizer, samples):
     """The sample table: one prompt, then each of its k completions with its score, its reward r, its baseline
     (the mean reward of the other k-1 completions) and the advantage the update used: r - baseline, then
-    --whiten-rewards, --normalize-advantage, --mask-truncated-completions (token mode: the first token's)."""
-    rewards = samples["rewards"]  # (k,)
+    --whiten-rewards, --normalize-advantage, --mask-truncated-completions (token mode: the first token's).
+    samples: the prompt, and the k completions (k, T), scores, rewards (k,) and advantages (k,) or (k, T)."""
+    prompt, responses, scores, rewards, advantages = samples
     baselines = (rewards.sum() - rewards) / (len(rewards) - 1)
     # (k, 4): each completion's score, reward, baseline and advantage
-    table = torch.stack([samples["scores"], rewards, baselines, samples["advantages"]], dim=1).tolist()
-    completions = tokenizer.batch_decode(samples["completions"], skip_special_tokens=True)
+    table = torch.stack([scores, rewards, baselines, advantages.view(len(rewards), -1)[:, 0]], 1).tolist()
+    completions = tokenizer.batch_decode(responses, skip_special_tokens=True)
     # repr escapes control bytes (a newline, a terminal's escape sequences)
-    print(f"prompt: {repr(tokenizer.decode(samples['prompt'], skip_special_tokens=True))[1:-1][:110]}")
-    print(f"baseline: the mean reward of the other {len(rewards) - 1}; advantage: reward - baseline, as trained")
-    print(f"{'completion':<60} | score   | reward  | baseline | advantage")
+    print(
+        f"prompt: {repr(tokenizer.decode(prompt, skip_special_tokens=True))[1:-1][:110]}\n"
+        f"baseline: the mean reward of the other {len(rewards) - 1}; advantage: reward - baseline, as trained\n"
+        f"{'completion':<60} | score   | reward  | baseline | advantage"
+    )
     for completion, (score, reward, baseline, advantage) in zip(completions, table, strict=True):
         print(f"{repr(completion)[1:-1][:60]:<60} | {score:7.3f} | {reward:7.3f} | {baseline:8.3f} | {advantage:9.3f}")
 
 
-@torch.no_grad()
 def evaluate(run, update):
     """Held-out evaluation after `update`: steps 1-4 at eval_temperature, sampling from a generator
     of its own. The prompts are shared out among the ranks and padded to equal counts, so that sharded
@@ -1972,8 +1925,8 @@ def evaluate(run, update):
     scores, rewards = score_completions(run, rows, queries, query_mask, responses, response_mask, stopped)
     per_completion = {
         "eval/scores": scores,
-        "eval/completion_length": response_mask.sum(1).float(),
-        "eval/num_eos_tokens": ((responses == tokenizer.eos_token_id) & response_mask).sum(1).float(),
+        "eval/completion_length": response_mask.sum(1),
+        "eval/num_eos_tokens": ((responses == tokenizer.eos_token_id) & response_mask).sum(1),
     }
     per_completion |= {f"eval/rewards/{name}": values for name, values in rewards.items()}
     real = torch.arange(per_rank, device=device) < len(mine)  # (per_rank,) not padding
@@ -1983,7 +1936,7 @@ def evaluate(run, update):
     metrics["eval/num_eos_tokens"] *= total  # a count over the evaluation, like val/num_eos_tokens
     completions = tokenizer.batch_decode(responses, skip_special_tokens=True)
     records = [
-        dict(update=update, prompt=row[args.dataset_text_field], completion=text, score=score)
+        {"update": update, "prompt": row[args.dataset_text_field], "completion": text, "score": score}
         for row, text, score in zip(rows, completions, scores.tolist(), strict=True)
     ][: len(mine)]  # this rank's prompts, without the padding
     if args.world_size > 1:
@@ -2007,8 +1960,7 @@ def end_of_update(run, update, stopping):
         save_checkpoint(run, done)
     if not stopping:
         return
-    # another rank's signal: stop alike
-    number = (run.stop_signals or [signal.SIGTERM])[0]
+    number = (run.stop_signals or [signal.SIGTERM])[0]  # another rank's signal: stop alike
     if run.accelerator.is_main_process:
         resume = f"resume with --output-dir {args.output_dir} --resume-from-checkpoint latest"
         print(f"rloo.py: stopped by {signal.Signals(number).name} after update {done}; {resume}", file=sys.stderr)
@@ -2032,8 +1984,8 @@ def save_checkpoint(run, update):
     accelerator.save_state(final + ".tmp")
     accelerator.wait_for_everyone()  # every rank's files written before the rename
     if accelerator.is_main_process:
-        state = dict(update=update, world_size=args.world_size, args=asdict(args), score_history=run.history)
-        state |= dict(skipped_steps=run.skipped_steps, consecutive_skips=run.consecutive_skips, draws=run.draws)
+        state = {"update": update, "world_size": args.world_size, "args": asdict(args), "score_history": run.history}
+        state |= {"skipped_steps": run.skipped_steps, "consecutive_skips": run.consecutive_skips, "draws": run.draws}
         with open(os.path.join(final + ".tmp", "trainer_state.json"), "w") as f:
             json.dump(state, f)
         shutil.rmtree(final, ignore_errors=True)
