@@ -96,7 +96,8 @@ class Args:
     # GRPO's), or their sum (sequence_sum, TRL 0.21 RLOO's). None: token with --token-level-kl, else sequence_sum
     importance_sampling_level: Literal["token", "sequence", "sequence_sum"] | None = None
     # the KL penalty's estimate per sampled token: k1 = logp - ref_logp (the RLOO paper's), or Schulman's k3 =
-    # exp(ref_logp - logp) - (ref_logp - logp) - 1 (never negative, of lower variance)
+    # exp(ref_logp - logp) - (ref_logp - logp) - 1 (never negative, of lower variance; in a reward, a gradient that is
+    # not the KL's: Tang & Munos 2025)
     kl_estimator: Literal["k1", "k3"] = "k1"
     normalize_reward: bool = False  # z-score the scores over the global batch
     reward_clip_range: float = 10.0  # with --normalize-reward, clip the normalized scores to [-c, c] (as TRL)
@@ -640,6 +641,7 @@ def sample_groups(run):
     sampling = {
         "sampling/zero_std": equal.sum(),
         "sampling/rounds": len(rounds),
+        "sampling/tokens": sum(values[1].sum() for values in rounds),  # generated in every round
         "generation_seconds": generation_seconds,
     }
     return queries, query_mask, responses, response_mask, stopped, vllm_logprobs, scores, source_rewards, sampling
@@ -1312,7 +1314,8 @@ vllm_gpu_memory_utilization vllm_importance_sampling_cap""".split()
 # what sets the prompts, their order, the batch and the run's length: a resume must keep these flags (others may change)
 RESUME_FIXED = """rloo_k per_device_train_batch_size gradient_accumulation_steps num_mini_batches
 total_episodes seed response_length sft_model_path dataset_name dataset_split dataset_text_field
-max_prompt_length token_level_kl use_peft lora_r lora_alpha lora_target_modules lora_task_type"""
+max_prompt_length chat_template_kwargs token_level_kl use_peft lora_r lora_alpha lora_target_modules
+lora_task_type"""
 
 
 def resolve_args(args, world_size, tokenizer, num_prompts, saved=None):
@@ -1394,7 +1397,7 @@ def resolve_args(args, world_size, tokenizer, num_prompts, saved=None):
     if saved["world_size"] != world_size:
         raise ArgumentError(f"{saved['path']} was written by {saved['world_size']} processes; launch that many")
     for name in RESUME_FIXED.split():
-        if saved["args"][name] != getattr(args, name):
+        if saved["args"].get(name) != getattr(args, name):
             raise ArgumentError(
                 f"{saved['path']} was written with --{name.replace('_', '-')} {saved['args'][name]}; use the same"
             )
@@ -1761,7 +1764,7 @@ def resume_or_seed(run, saved):
     run.history = saved["score_history"]
     run.skipped_steps = saved["skipped_steps"]
     run.consecutive_skips = saved["consecutive_skips"]
-    run.draws = saved.get("draws", saved["update"])  # a checkpoint from before --dynamic-sampling: one a update
+    run.draws = saved.get("draws", saved["update"])  # a checkpoint from before --dynamic-sampling: one per update
 
 
 def batch_indices(args, num_prompts, draw, rank):
@@ -1824,7 +1827,7 @@ def log_metrics(run, update, stats, lr, times, samples):
     totals = dict(zip(stats, all_reduce(values).tolist(), strict=True))
     n = args.batch_size
     terms = max(totals["terms"], 1.0)
-    generated = totals["completions/mean_length"]  # its sum: the tokens generated, over every rank
+    generated = totals["completions/mean_length"]  # its sum: the tokens trained on, over every rank
     elapsed = time.perf_counter() - run.start_time
     t0, t1, t2, t3 = times
     # where this update's time went; "other" is the time since the previous update's training: metrics,
@@ -1851,7 +1854,7 @@ def log_metrics(run, update, stats, lr, times, samples):
         "frac_reward_zero_std": totals["zero_std"] * args.rloo_k / n,  # of the prompts (n / k of them)
         "train/skipped_steps": run.skipped_steps,
         **{f"time/{phase}": seconds for phase, seconds in phases.items()},
-        "time/tokens_per_second": generated / max(t1 - t0, 1e-9),
+        "time/tokens_per_second": totals["sampling/tokens"] / max(t1 - t0, 1e-9),  # of every round
         "time/peak_memory_mib": peak_memory_mib(accelerator.device),  # this rank's
     }
     # at kl_coef 0 no reference runs: a KL of 0 would claim a measurement that was not made

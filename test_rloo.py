@@ -2346,6 +2346,8 @@ def test_dynamic_sampling_keeps_zero3_ranks_in_step_and_resumes_bitwise(workdir,
         differ = [torch.cat([(g != g[0]).any(0) for g in rank_groups]).cumsum(0) for rank_groups in groups]
         need = [next((r + 1 for r in range(rounds) if counts[2 * r + 1] >= 2), 4) for counts in differ]
         assert rounds == min(max(need), 3) and m["sampling/prompts"] == rounds * 2 * 2
+        # every round's tokens, 16 completions of 24 tokens (no stop token), over every round's rollout time
+        assert m["time/tokens_per_second"] * m["time/generation"] == pytest.approx(rounds * 16 * 24)
         equal = sum(int((g == g[0]).all(0).sum()) for rank_groups in groups for g in rank_groups)
         assert m["sampling/frac_reward_zero_std"] == pytest.approx(equal / (rounds * 4))
         assert m["frac_reward_zero_std"] == 0.0 or max(need) > 3
