@@ -615,7 +615,7 @@ def sample_groups(run):
         batch = batch_indices(args, len(run.prompts), run.draws, run.accelerator.process_index)  # (B,)
         run.draws += 1
         prompts += batch
-        queries, query_mask = pad_batch([run.prompts[i] for i in batch] * k, run.tokenizer.pad_token_id, True, device)
+        queries, query_mask = pad_batch([run.prompts[i] for i in batch] * k, run.tokenizer.pad_token_id, device=device)
         start = now(device)
         responses, response_mask, stopped, vllm_logprobs = rollout(run, queries, query_mask, args.temperature, k=k)
         generation_seconds += now(device) - start
@@ -635,7 +635,7 @@ def sample_groups(run):
         torch.cat([values[i].unflatten(0, (k, B)) for values in rounds], 1)[:, kept].flatten(0, 1) for i in range(6)
     ]
     queries, query_mask = pad_batch(
-        [run.prompts[prompts[i]] for i in kept] * k, run.tokenizer.pad_token_id, True, device
+        [run.prompts[prompts[i]] for i in kept] * k, run.tokenizer.pad_token_id, device=device
     )
     source_rewards = dict(zip(source_rewards, rewards.unbind(1), strict=True))
     sampling = {
